@@ -72,31 +72,35 @@ def is_checkpoint_valid(query_start: int, query_end: int, position: int, *, hash
 
 
 def model_checkpoint_alignment(layer_alignments: Iterable[int | None]) -> int | None:
-    """LCM of every recurrent layer's alignment; None as soon as one layer cannot export (or there is none)."""
-    result = None
+    """LCM of every recurrent layer's alignment (1 for none); None as soon as one layer cannot export."""
+    result = 1
     for alignment in layer_alignments:
         if alignment is None:
             return None
-        check_positive(alignment, name="layer_alignments")
-        result = alignment if result is None else math.lcm(result, alignment)
+        result = math.lcm(result, check_positive(alignment, name="layer_alignments"))
     return result
 
 
 def checkpoint_grid(alignment: int | None, *, prefix_match_unit: int | None, block_size: int) -> int:
-    """The token grid checkpoints land on: lcm(prefix_match_unit, alignment) when a unit is set, else the block."""
+    """The token grid checkpoint offsets stay on: lcm(prefix_match_unit, alignment) when a unit is set, else B."""
+    if alignment is None:
+        raise ValueError("alignment: the checkpoint grid needs every recurrent layer to declare an alignment")
+    check_positive(alignment, name="alignment")
     if prefix_match_unit is None:
         return check_positive(block_size, name="block_size")
-    check_positive(prefix_match_unit, name="prefix_match_unit")
-    return prefix_match_unit if alignment is None else math.lcm(prefix_match_unit, alignment)
+    return math.lcm(check_positive(prefix_match_unit, name="prefix_match_unit"), alignment)
 
 
 def prefill_checkpoints(query_starts: Sequence[int], query_ends: Sequence[int], *, hash_block_size: int,
                         block_size: int, alignment: int | None, drop_eagle_block: bool = False,
-                        num_hash_lookahead_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                        num_hash_lookahead_tokens: int = 0,
+                        cache_hit_alignment_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """vLLM's per-row checkpoint: (offsets i32[N], columns i32[N]); a declined row gets (0, -1).
 
-    The position is the prompt's last cacheable boundary as seen from the end of this step.
+    The position is the prompt's last boundary on the cache-hit grid (`cache_hit_alignment_tokens`, by default the
+    hash unit) as seen from the end of this step.
     """
+    unit = hash_block_size if cache_hit_alignment_tokens is None else cache_hit_alignment_tokens
     starts = np.asarray(query_starts, np.int64).reshape(-1)
     ends = np.asarray(query_ends, np.int64).reshape(-1)
     if starts.shape != ends.shape:
@@ -106,7 +110,7 @@ def prefill_checkpoints(query_starts: Sequence[int], query_ends: Sequence[int], 
     offsets = np.zeros(starts.size, np.int32)
     columns = np.full(starts.size, -1, np.int32)
     for n, (qs, qe) in enumerate(zip(starts.tolist(), ends.tolist())):
-        pos = checkpoint_position(qe, hash_block_size, drop_eagle_block=drop_eagle_block,
+        pos = checkpoint_position(qe, unit, drop_eagle_block=drop_eagle_block,
                                   num_hash_lookahead_tokens=num_hash_lookahead_tokens)
         if is_checkpoint_valid(qs, qe, pos, hash_block_size=hash_block_size, block_size=block_size,
                                alignment=alignment):

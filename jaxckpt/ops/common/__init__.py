@@ -1,0 +1,1 @@
+"""Pieces shared by the recurrent ops (GDN, KDA, SSD, conv1d): references, chunk stages, state passing."""

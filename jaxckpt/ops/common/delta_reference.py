@@ -1,0 +1,135 @@
+"""Token-by-token float64 reference of the gated delta rule, shared by GDN (scalar decay) and KDA (per-key-channel decay).
+
+Written for clarity, not speed: a Python loop over rows and tokens, numpy over heads. Every input is upcast to float64
+before any arithmetic, so the result does not depend on the input dtype beyond the rounding of the inputs themselves.
+The recurrence and the meaning of initial, final and checkpoint states are in `jaxckpt/ops/gdn/README.md` and
+`jaxckpt/ops/kda/README.md`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from jaxckpt.plan.conventions import check_state_layout, validate_checkpoints, validate_cu_seqlens
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+L2NORM_EPS = 1e-6
+
+
+def to_float64(x, *, name: str) -> np.ndarray:
+    """Returns a float64 copy of `x`; its dtype must be one of FLOAT_DTYPES (bfloat16 as in ml_dtypes / jax)."""
+    array = np.asarray(x)
+    if array.dtype.name not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: dtype must be one of {FLOAT_DTYPES}, got {array.dtype}")
+    return array.astype(np.float64)
+
+
+def l2norm(x: np.ndarray) -> np.ndarray:
+    """x / sqrt(sum(x^2) + 1e-6) over the last axis, the eps inside the sqrt as in FLA and HF."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def check_delta_inputs(q, k, v, g, beta, *, per_channel_decay: bool):
+    """Checks dtypes and shapes of the token inputs; returns float64 copies of (q, k, v, g, beta).
+
+    g is [T, HV, K] when `per_channel_decay` (KDA), else [T, HV] (GDN).
+    """
+    q = to_float64(q, name="q")  # [T, H, K]
+    k = to_float64(k, name="k")  # [T, H, K]
+    v = to_float64(v, name="v")  # [T, HV, V]
+    g = to_float64(g, name="g")  # [T, HV] or [T, HV, K]
+    beta = to_float64(beta, name="beta")  # [T, HV]
+    if q.ndim != 3:
+        raise ValueError(f"q: expected [T, H, K], got shape {q.shape}")
+    num_tokens, num_heads, head_k = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k: expected [T, H, K] = {q.shape} like q, got shape {k.shape}")
+    if v.ndim != 3 or v.shape[0] != num_tokens:
+        raise ValueError(f"v: expected [T, HV, V] with T={num_tokens} like q, got shape {v.shape}")
+    num_v_heads = v.shape[1]
+    if num_heads == 0 or num_v_heads == 0 or num_v_heads % num_heads:
+        raise ValueError(f"v: value heads HV={num_v_heads} must be a positive multiple of the key heads "
+                         f"H={num_heads} of q and k")
+    if per_channel_decay:
+        g_shape, g_name = (num_tokens, num_v_heads, head_k), "[T, HV, K]"
+    else:
+        g_shape, g_name = (num_tokens, num_v_heads), "[T, HV]"
+    if g.shape != g_shape:
+        raise ValueError(f"g: expected {g_name} = {g_shape}, got shape {g.shape}")
+    if beta.shape != (num_tokens, num_v_heads):
+        raise ValueError(f"beta: expected [T, HV] = {(num_tokens, num_v_heads)}, got shape {beta.shape}")
+    return q, k, v, g, beta
+
+
+def delta_rule_reference(q, k, v, g, beta, *, per_channel_decay: bool, scale=None, use_qk_l2norm=False,
+                         initial_state=None, cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None,
+                         state_layout="kv"):
+    """The gated delta rule, token by token, in float64.
+
+    Per value head h (key head h // (HV // H)), per token t of a row:
+        S <- diag(exp(g_t)) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T (scale q_t)
+    with S [K, V] and g_t a scalar (GDN) or a K-vector (KDA, `per_channel_decay=True`).
+
+    q, k        # [T, H, K]
+    v           # [T, HV, V]
+    g           # [T, HV] or [T, HV, K]: log decay (<= 0 expected, not enforced)
+    beta        # [T, HV]
+    initial_state: [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk"); None = zeros.
+    Returns (o [T, HV, V], final_state [N, HV, K, V] / [N, HV, V, K], checkpoint_states [M, HV, K, V] /
+    [M, HV, V, K]), float64. Padding tokens (past cu_seqlens[-1]) and padded checkpoint entries give zeros.
+    """
+    q, k, v, g, beta = check_delta_inputs(q, k, v, g, beta, per_channel_decay=per_channel_decay)
+    check_state_layout(state_layout)
+    num_tokens, num_heads, head_k = q.shape
+    num_v_heads, head_v = v.shape[1:]
+    if scale is None:
+        scale = head_k ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(scale):
+        raise ValueError(f"scale: must be a finite real number, got {scale!r}")
+    cu_seqlens = validate_cu_seqlens(cu_seqlens, num_tokens)
+    checkpoint_cu, checkpoint_offsets = validate_checkpoints(checkpoint_cu, checkpoint_offsets, cu_seqlens)
+    num_rows = cu_seqlens.size - 1
+
+    kv_shape = (num_rows, num_v_heads, head_k, head_v)
+    if initial_state is None:
+        state = np.zeros(kv_shape)
+    else:
+        state = to_float64(initial_state, name="initial_state")
+        expected = kv_shape if state_layout == "kv" else (num_rows, num_v_heads, head_v, head_k)
+        if state.shape != expected:
+            dims = "[N, HV, K, V]" if state_layout == "kv" else "[N, HV, V, K]"
+            raise ValueError(f"initial_state: expected {dims} = {expected} for state_layout={state_layout!r}, "
+                             f"got shape {state.shape}")
+        if state_layout == "vk":
+            state = state.swapaxes(-1, -2)
+
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    group = num_v_heads // num_heads
+    q = np.repeat(q, group, axis=1) * scale  # [T, HV, K]
+    k = np.repeat(k, group, axis=1)  # [T, HV, K]
+    decay = np.exp(g if per_channel_decay else g[:, :, None])  # [T, HV, K] or [T, HV, 1]
+
+    o = np.zeros((num_tokens, num_v_heads, head_v))
+    final_state = np.zeros(kv_shape)
+    checkpoint_states = np.zeros((checkpoint_offsets.size, num_v_heads, head_k, head_v))
+    for n in range(num_rows):
+        bos, eos = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
+        entries = range(int(checkpoint_cu[n]), int(checkpoint_cu[n + 1]))
+        entry_at = {int(checkpoint_offsets[m]): m for m in entries}
+        s = state[n].copy()  # [HV, K, V]
+        for t in range(bos, eos):
+            s = decay[t][:, :, None] * s
+            u = beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", s, k[t]))  # [HV, V]
+            s = s + k[t][:, :, None] * u[:, None, :]
+            o[t] = np.einsum("hkv,hk->hv", s, q[t])
+            if t + 1 - bos in entry_at:
+                checkpoint_states[entry_at[t + 1 - bos]] = s
+        final_state[n] = s
+    if state_layout == "vk":
+        final_state = final_state.swapaxes(-1, -2).copy()
+        checkpoint_states = checkpoint_states.swapaxes(-1, -2).copy()
+    return o, final_state, checkpoint_states

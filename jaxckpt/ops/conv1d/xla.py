@@ -1,0 +1,137 @@
+"""Causal depthwise conv1d in plain JAX (XLA): outputs, final states and prefill checkpoints in one vectorised pass.
+
+Every token's window is a gather from `concat(incoming states, x)` with computed indices, so rows, short rows and
+the incoming state need no per-token loop, and the final and checkpoint states are gathers of the raw inputs
+(bitwise copies, kept in x's dtype). Works under `jax.jit` with traced `cu_seqlens` / checkpoint arrays and is
+differentiable with `jax.grad`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FLOAT_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+WIDTHS = (2, 3, 4)
+ACTIVATIONS = (None, "silu", "swish")
+
+
+def compute_dtype(dtype):
+    """fp32 arithmetic for 16- and 32-bit inputs; float64 inputs stay float64 (exact gradient checks)."""
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def check_float(array, *, name: str):
+    array = jnp.asarray(array)
+    if array.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: dtype must be float16, bfloat16, float32 or float64, got {array.dtype}")
+    return array
+
+
+def packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets, num_tokens: int):
+    """Static checks of the row and checkpoint arrays (shapes and dtypes only: they may be traced).
+
+    Returns (cu_seqlens i32[N + 1], checkpoint_cu i32[N + 1], checkpoint_offsets i32[M]); `cu_seqlens=None` is one
+    row over all tokens, no checkpoint arrays is M = 0.
+    """
+    if cu_seqlens is None:
+        cu = jnp.array([0, num_tokens], jnp.int32)
+    else:
+        cu = jnp.asarray(cu_seqlens)
+        if cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"cu_seqlens: expected i32[N + 1] with N >= 1, got shape {cu.shape}")
+        if not jnp.issubdtype(cu.dtype, jnp.integer):
+            raise ValueError(f"cu_seqlens: dtype must be an integer type, got {cu.dtype}")
+        cu = cu.astype(jnp.int32)
+    num_rows = cu.shape[0] - 1
+    if checkpoint_cu is None and checkpoint_offsets is None:
+        return cu, jnp.zeros(num_rows + 1, jnp.int32), jnp.zeros(0, jnp.int32)
+    if checkpoint_cu is None or checkpoint_offsets is None:
+        raise ValueError("checkpoint_cu and checkpoint_offsets: give both or neither")
+    ccu = jnp.asarray(checkpoint_cu)
+    offsets = jnp.asarray(checkpoint_offsets)
+    if ccu.shape != (num_rows + 1,):
+        raise ValueError(f"checkpoint_cu: expected i32[N + 1] = ({num_rows + 1},), got shape {ccu.shape}")
+    if offsets.ndim != 1:
+        raise ValueError(f"checkpoint_offsets: expected i32[M], got shape {offsets.shape}")
+    for name, array in (("checkpoint_cu", ccu), ("checkpoint_offsets", offsets)):
+        if not jnp.issubdtype(array.dtype, jnp.integer):
+            raise ValueError(f"{name}: dtype must be an integer type, got {array.dtype}")
+    return cu, ccu.astype(jnp.int32), offsets.astype(jnp.int32)
+
+
+def checkpoint_rows(checkpoint_cu, num_checkpoints: int, num_rows: int):
+    """(row i32[M] clipped into range, valid bool[M]) of each CSR entry; padded entries are not valid."""
+    ids = jnp.arange(num_checkpoints, dtype=jnp.int32)
+    rows = jnp.searchsorted(checkpoint_cu, ids, side="right").astype(jnp.int32) - 1
+    return jnp.clip(rows, 0, num_rows - 1), ids < checkpoint_cu[-1]
+
+
+def causal_conv1d(x, weight, bias=None, *, activation="silu", initial_state=None, cu_seqlens=None,
+                  checkpoint_cu=None, checkpoint_offsets=None):
+    """Causal depthwise conv of packed rows with final and checkpoint states, vectorised over tokens.
+
+    x [T, D]; weight [D, W] with W in 2..4; bias [D] (None = 0); activation None or "silu" ("swish" = silu);
+    initial_state [N, D, W - 1] raw inputs before each row, oldest first (None = zeros); cu_seqlens i32[N + 1]
+    (None = one row); checkpoint_cu i32[N + 1] + checkpoint_offsets i32[M] (CSR, offsets in (0, row_len)).
+
+    Returns (y [T, D] in x.dtype, final_state [N, D, W - 1], checkpoint_states [M, D, W - 1]); the states are the
+    W - 1 raw inputs before the row end / checkpoint offset, in x.dtype (an initial_state of another dtype is cast).
+    Padding tokens past cu_seqlens[N] and padded checkpoint entries are zeros. Metadata values are not checked here
+    (callers run `jaxckpt.plan.conventions.validate_*` on concrete metadata).
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: must be one of {ACTIVATIONS}, got {activation!r}")
+    x = check_float(x, name="x")  # [T, D]
+    if x.ndim != 2:
+        raise ValueError(f"x: expected [T, D], got shape {x.shape}")
+    num_tokens, dim = x.shape
+    weight = check_float(weight, name="weight")  # [D, W]
+    if weight.ndim != 2 or weight.shape[0] != dim:
+        raise ValueError(f"weight: expected [D, W] with D={dim}, got shape {weight.shape}")
+    width = weight.shape[1]
+    if width not in WIDTHS:
+        raise ValueError(f"weight: width W must be one of {WIDTHS}, got {width}")
+    if bias is not None:
+        bias = check_float(bias, name="bias")  # [D]
+        if bias.shape != (dim,):
+            raise ValueError(f"bias: expected [D] = ({dim},), got shape {bias.shape}")
+    cu, ccu, offsets = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets, num_tokens)
+    num_rows = cu.shape[0] - 1
+    num_ckpt = offsets.shape[0]
+    hist = width - 1
+    state_shape = (num_rows, dim, hist)
+    if initial_state is None:
+        initial = jnp.zeros(state_shape, x.dtype)
+    else:
+        initial = check_float(initial_state, name="initial_state")
+        if initial.shape != state_shape:
+            raise ValueError(f"initial_state: expected [N, D, W - 1] = {state_shape}, got shape {initial.shape}")
+        initial = initial.astype(x.dtype)
+
+    # source[n * (W - 1) + s] is slot s of row n's incoming state; source[N * (W - 1) + t] is token t.
+    source = jnp.concatenate([jnp.swapaxes(initial, 1, 2).reshape(num_rows * hist, dim), x])  # [N*(W-1) + T, D]
+    taps = jnp.arange(hist, dtype=jnp.int32)
+
+    def history(row, end):
+        """Source indices of the W - 1 raw inputs before row position `end` of `row`, oldest first."""
+        rel = end[..., None] - hist + taps  # row positions, negative ones live in the incoming state
+        return jnp.where(rel >= 0, num_rows * hist + cu[row][..., None] + rel, row[..., None] * hist + hist + rel)
+
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_row = jnp.clip(jnp.searchsorted(cu, tokens, side="right").astype(jnp.int32) - 1, 0, num_rows - 1)
+    window = jnp.concatenate([source[history(token_row, tokens - cu[token_row])], x[:, None]], axis=1)  # [T, W, D]
+    cdt = compute_dtype(x.dtype)
+    y = jnp.sum(window.astype(cdt) * weight.T.astype(cdt), axis=1)  # [T, D]
+    if bias is not None:
+        y = y + bias.astype(cdt)
+    if activation is not None:
+        y = jax.nn.silu(y)
+    y = jnp.where((tokens < cu[-1])[:, None], y, 0).astype(x.dtype)
+
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    final_state = jnp.swapaxes(source[history(rows, cu[1:] - cu[:-1])], 1, 2)  # [N, D, W - 1]
+    ckpt_row, ckpt_valid = checkpoint_rows(ccu, num_ckpt, num_rows)
+    checkpoint_states = jnp.swapaxes(source[history(ckpt_row, offsets)], 1, 2)  # [M, D, W - 1]
+    checkpoint_states = jnp.where(ckpt_valid[:, None, None], checkpoint_states, 0).astype(x.dtype)
+    return y, final_state, checkpoint_states
