@@ -14,21 +14,23 @@ repository, for example::
         fastapi partial_json_parser llguidance cachetools msgspec
     /tmp/vllmenv/bin/python tools/vllm_answers.py [output.json]
 
-No GPU is needed. Every sweep is seeded, so re-running gives the same file.
+No GPU is needed (about 15 s on 2 CPU cores). Every sweep is seeded, so a re-run
+changes only ``meta.generated_at``.
 Each table is ``{"columns": [...], "rows": [[...], ...]}``; see ``main``.
 """
 
 import datetime
+import itertools
 import json
 import platform
 import random
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 from unittest import mock
 
 import torch
-
 import vllm
 from vllm.model_executor.layers.mamba import abstract as mamba_abstract
 from vllm.model_executor.layers.mamba.checkpoint import (
@@ -42,6 +44,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     MambaSpec,
+    MLAAttentionSpec,
+    get_kv_quant_mode,
     get_mamba_prefill_checkpoint_position,
     is_mamba_prefill_checkpoint_valid,
 )
@@ -84,20 +88,18 @@ def checkpoint_position_table():
     )
     inputs = []
     for h in (1, 16, 64):
-        inputs += [(n, h) for n in range(0, 301)]
+        inputs += [(n, h) for n in range(301)]
     for h in (1, 3, 16, 64, 96, 528, 768, 1152, 1600):
         extra = {8000, 2002, 3602, 1159, 5000, 19 * h + 7}
         for k in (1, 2, 3, 5, 19, 50):
             extra |= {k * h - 1, k * h, k * h + 1, k * h + 2}
-        extra -= set(range(0, 301)) if h in (1, 16, 64) else set()
+        extra -= set(range(301)) if h in (1, 16, 64) else set()
         inputs += [(n, h) for n in sorted(extra) if n >= 0]
     rows = []
     for n, h in inputs:
         for drop in (False, True):
             for lookahead in (0, 1, 2, 5):
-                pos = get_mamba_prefill_checkpoint_position(
-                    n, h, drop, num_hash_lookahead_tokens=lookahead
-                )
+                pos = get_mamba_prefill_checkpoint_position(n, h, drop, num_hash_lookahead_tokens=lookahead)
                 rows.append([n, h, drop, lookahead, pos])
     return table(columns, rows)
 
@@ -186,9 +188,7 @@ def is_checkpoint_valid_table():
                 qe = qs + rng.randrange(1, 4 * b)
                 pick = rng.random()
                 if pick < 0.7:
-                    pos = get_mamba_prefill_checkpoint_position(
-                        qe, h, rng.random() < 0.3, rng.choice((0, 0, 1, 3))
-                    )
+                    pos = get_mamba_prefill_checkpoint_position(qe, h, rng.random() < 0.3, rng.choice((0, 0, 1, 3)))
                 else:
                     pos = rng.randrange(0, qe + h)
                 add(qs, qe, pos, h, b, a)
@@ -283,9 +283,7 @@ def prefill_checkpoints_table():
                 q = seq
             seq_lens.append(seq)
             query_lens.append(q)
-        cases.append(
-            (f"random_{i}", seq_lens, query_lens, h, b, a, drop, unit, lookahead)
-        )
+        cases.append((f"random_{i}", seq_lens, query_lens, h, b, a, drop, unit, lookahead))
     rows = []
     for case, seqs, qls, h, b, a, drop, unit, lookahead in cases:
         offsets, cols = compute_mamba_prefill_checkpoints(
@@ -331,9 +329,7 @@ def _forward_context(layer_alignments):
 
 def _stub_vllm_config(layer_alignments, **cache_fields):
     return SimpleNamespace(
-        compilation_config=SimpleNamespace(
-            static_forward_context=_forward_context(layer_alignments)
-        ),
+        compilation_config=SimpleNamespace(static_forward_context=_forward_context(layer_alignments)),
         cache_config=SimpleNamespace(**cache_fields),
     )
 
@@ -382,9 +378,7 @@ def checkpoint_grid_table():
             for b in (None, 64, 528, 768, 1152, 1600):
                 if unit is not None and b not in (None, 768):
                     continue
-                config = _stub_vllm_config(
-                    layer_alignments, prefix_match_unit=unit, mamba_block_size=b
-                )
+                config = _stub_vllm_config(layer_alignments, prefix_match_unit=unit, mamba_block_size=b)
                 try:
                     grid = mamba_abstract.get_mamba_prefill_checkpoint_grid(config)
                     error = None
@@ -423,62 +417,39 @@ def mamba_spec_table():
         "kda_qkv_conv_bf16_rec_fp32",
         "short_conv_bf16",
     )
-    for state in states:
+    modes = ("none", "align", "all")
+    for state, b in itertools.product(states, (16, 528, 1600)):
         real = _spec(state, block_size=16).real_page_size_bytes
-        for b in (16, 528, 1600):
-            for padded in (None, real + 4096, real, real - 2):
-                for mode in ("none", "align", "all"):
-                    config_modes = ("none", "align", "all") if b == 528 else (mode,)
-                    for config_mode in config_modes:
-                        for num_spec in range(4):
-                            for ckpt in (0, 1):
-                                for max_len in (1, 8000, 131072):
-                                    extra_padding = padded in (real, real - 2)
-                                    if extra_padding and (num_spec or max_len != 8000):
-                                        continue
-                                    alignment = 16 if ckpt else None
-                                    spec = _spec(
-                                        state,
-                                        block_size=b,
-                                        page_size_padded=padded,
-                                        mamba_cache_mode=mode,
-                                        num_speculative_blocks=num_spec,
-                                        num_prefill_checkpoint_blocks=ckpt,
-                                        prefill_checkpoint_alignment=alignment,
-                                    )
-                                    config = SimpleNamespace(
-                                        cache_config=SimpleNamespace(
-                                            mamba_cache_mode=config_mode
-                                        )
-                                    )
-                                    try:
-                                        page = spec.page_size_bytes
-                                        usage = spec.max_memory_usage_bytes(config)
-                                        per_req = spec.max_num_blocks_per_req(
-                                            config, max_len
-                                        )
-                                        error = None
-                                    except AssertionError:
-                                        page = usage = per_req = None
-                                        error = "AssertionError"
-                                    rows.append(
-                                        [
-                                            state,
-                                            b,
-                                            padded,
-                                            mode,
-                                            config_mode,
-                                            num_spec,
-                                            ckpt,
-                                            alignment,
-                                            max_len,
-                                            spec.real_page_size_bytes,
-                                            page,
-                                            usage,
-                                            per_req,
-                                            error,
-                                        ]
-                                    )
+        # Config mode and spec mode are crossed only for one block size.
+        mode_pairs = itertools.product(modes, modes) if b == 528 else ((m, m) for m in modes)
+        for (mode, config_mode), padded, num_spec, ckpt, max_len in itertools.product(
+            mode_pairs, (None, real + 4096, real, real - 2), range(4), (0, 1), (1, 8000, 131072)
+        ):
+            if padded in (real, real - 2) and (num_spec or max_len != 8000):
+                continue
+            alignment = 16 if ckpt else None
+            spec = _spec(
+                state,
+                block_size=b,
+                page_size_padded=padded,
+                mamba_cache_mode=mode,
+                num_speculative_blocks=num_spec,
+                num_prefill_checkpoint_blocks=ckpt,
+                prefill_checkpoint_alignment=alignment,
+            )
+            config = SimpleNamespace(cache_config=SimpleNamespace(mamba_cache_mode=config_mode))
+            try:
+                page = spec.page_size_bytes
+                usage = spec.max_memory_usage_bytes(config)
+                per_req = spec.max_num_blocks_per_req(config, max_len)
+                error = None
+            except AssertionError:
+                page = usage = per_req = None
+                error = "AssertionError"
+            rows.append(
+                [state, b, padded, mode, config_mode, num_spec, ckpt, alignment, max_len]
+                + [spec.real_page_size_bytes, page, usage, per_req, error]
+            )
     result = table(columns, rows)
     result["states"] = {
         name: {
@@ -517,41 +488,39 @@ def _spec_fields(spec):
 
 def mamba_spec_uniform_table():
     columns = ("case", "changed_field", "self_spec", "other_specs", "uniform")
-    base_fields = dict(
-        block_size=528,
-        mamba_cache_mode="align",
-        num_speculative_blocks=1,
-        num_prefill_checkpoint_blocks=1,
-        prefill_checkpoint_alignment=16,
-    )
+    base_fields = {
+        "block_size": 528,
+        "mamba_cache_mode": "align",
+        "num_speculative_blocks": 1,
+        "num_prefill_checkpoint_blocks": 1,
+        "prefill_checkpoint_alignment": 16,
+    }
     base = _spec("gdn_conv_bf16_rec_fp32", **base_fields)
     real = base.real_page_size_bytes
     same_bytes_shapes = ((3, 8192), (16, 256, 128))  # same bytes, other shape
     variants = [
-        ("block_size", dict(block_size=1600)),
-        ("shapes_same_bytes", dict(shapes=same_bytes_shapes)),
-        ("shapes_other_bytes", dict(shapes=((3, 8192), (32, 128, 64)))),
-        ("dtypes", dict(dtypes=(BF16, BF16))),
-        ("page_size_padded_to_real", dict(page_size_padded=real)),
-        ("page_size_padded_larger", dict(page_size_padded=real + 4096)),
-        ("mamba_type", dict(mamba_type=MambaAttentionBackendEnum.GDN_ATTN)),
-        ("mamba_cache_mode", dict(mamba_cache_mode="all")),
-        ("num_speculative_blocks", dict(num_speculative_blocks=0)),
-        ("num_prefill_checkpoint_blocks", dict(num_prefill_checkpoint_blocks=0)),
-        ("prefill_checkpoint_alignment_64", dict(prefill_checkpoint_alignment=64)),
-        ("prefill_checkpoint_alignment_none", dict(prefill_checkpoint_alignment=None)),
-        ("num_heads", dict(num_heads=8)),
-        ("tokens_per_state", dict(tokens_per_state=4)),
-        ("tp_replicated", dict(tp_replicated=True)),
+        ("block_size", {"block_size": 1600}),
+        ("shapes_same_bytes", {"shapes": same_bytes_shapes}),
+        ("shapes_other_bytes", {"shapes": ((3, 8192), (32, 128, 64))}),
+        ("dtypes", {"dtypes": (BF16, BF16)}),
+        ("page_size_padded_to_real", {"page_size_padded": real}),
+        ("page_size_padded_larger", {"page_size_padded": real + 4096}),
+        ("mamba_type", {"mamba_type": MambaAttentionBackendEnum.GDN_ATTN}),
+        ("mamba_cache_mode", {"mamba_cache_mode": "all"}),
+        ("num_speculative_blocks", {"num_speculative_blocks": 0}),
+        ("num_prefill_checkpoint_blocks", {"num_prefill_checkpoint_blocks": 0}),
+        ("prefill_checkpoint_alignment_64", {"prefill_checkpoint_alignment": 64}),
+        ("prefill_checkpoint_alignment_none", {"prefill_checkpoint_alignment": None}),
+        ("num_heads", {"num_heads": 8}),
+        ("tokens_per_state", {"tokens_per_state": 4}),
+        ("tp_replicated", {"tp_replicated": True}),
     ]
     rows = []
 
     def add(case, field, others):
         collection = {f"layer.{i}": spec for i, spec in enumerate(others)}
         uniform = base.is_uniform_with_collection(collection)
-        rows.append(
-            [case, field, _spec_fields(base), [_spec_fields(s) for s in others], uniform]
-        )
+        rows.append([case, field, _spec_fields(base), [_spec_fields(s) for s in others], uniform])
 
     add("empty_collection", None, [])
     add("only_self", None, [base])
@@ -563,9 +532,7 @@ def mamba_spec_uniform_table():
         other = MambaSpec(**fields)
         add(f"pair_{field}", field, [base, other])
         add(f"single_{field}", field, [other])
-    attention = FullAttentionSpec(
-        block_size=528, num_kv_heads=2, head_size=256, dtype=BF16
-    )
+    attention = FullAttentionSpec(block_size=528, num_kv_heads=2, head_size=256, dtype=BF16)
     add("with_full_attention_spec", "kind", [base, attention])
     return table(columns, rows)
 
@@ -573,7 +540,7 @@ def mamba_spec_uniform_table():
 class _StubPlatform(Platform):
     """Platform whose only attention backends are the ones a case names."""
 
-    backends: list = []
+    backends: ClassVar[list] = []
 
     @classmethod
     def _find_non_ssm_backends(cls, vllm_config):
@@ -589,9 +556,7 @@ def _stub_backend(name, sizes):
         (),
         {
             "customize_spec": classmethod(lambda cls, spec: spec),
-            "get_supported_kernel_block_sizes": staticmethod(
-                get_supported_kernel_block_sizes
-            ),
+            "get_supported_kernel_block_sizes": staticmethod(get_supported_kernel_block_sizes),
             "get_name": staticmethod(lambda: name),
         },
     )
@@ -603,12 +568,8 @@ def _stub_model_cls(state):
         "StubHybridModel",
         (),
         {
-            "get_mamba_state_shape_from_config": classmethod(
-                lambda cls, vllm_config: shapes
-            ),
-            "get_mamba_state_dtype_from_config": classmethod(
-                lambda cls, vllm_config: dtypes
-            ),
+            "get_mamba_state_shape_from_config": classmethod(lambda cls, vllm_config: shapes),
+            "get_mamba_state_dtype_from_config": classmethod(lambda cls, vllm_config: dtypes),
         },
     )
 
@@ -656,38 +617,16 @@ def align_block_size_table():
     ]
     alignment_lists = [[], [None], [1], [16], [64], [16, 64], [48]]
     rows = []
-    for use_mla, heads, head_size, kv_dtype in attentions:
-        if use_mla:
-            attn_page = None  # filled from the first call's real MLA spec
-        else:
-            attn_page = FullAttentionSpec(
-                block_size=1, num_kv_heads=heads, head_size=head_size, dtype=kv_dtype
-            ).page_size_bytes
-        for state in mamba_states:
-            shapes, dtypes = STATES[state]
-            mamba_page = MambaSpec(
-                shapes=shapes, dtypes=dtypes, block_size=-1
-            ).page_size_bytes
-            for cache_block in (16, 64):
-                for backend_sizes in backend_sets:
-                    for mode in ("align", "none", "all"):
-                        alignments = alignment_lists if mode == "align" else [[16]]
-                        for layer_alignments in alignments:
-                            rows.append(
-                                _align_row(
-                                    use_mla,
-                                    heads,
-                                    head_size,
-                                    kv_dtype,
-                                    attn_page,
-                                    state,
-                                    mamba_page,
-                                    cache_block,
-                                    backend_sizes,
-                                    layer_alignments,
-                                    mode,
-                                )
-                            )
+    for (use_mla, heads, head_size, kv_dtype), state, cache_block, backend_sizes, mode in itertools.product(
+        attentions, mamba_states, (16, 64), backend_sets, ("align", "none", "all")
+    ):
+        # The model's checkpoint alignment is read only in align mode.
+        for layer_alignments in alignment_lists if mode == "align" else [[16]]:
+            rows.append(
+                _align_row(
+                    use_mla, heads, head_size, kv_dtype, state, cache_block, backend_sizes, layer_alignments, mode
+                )
+            )
     result = table(columns, rows)
     result["note"] = (
         "Platform._align_hybrid_block_size(vllm_config, backend) called through "
@@ -695,38 +634,31 @@ def align_block_size_table():
         "backends (the first is backend_cls); ModelRegistry.resolve_model_cls "
         "patched to a stub exposing the named Mamba state; cache_dtype 'auto', "
         "mamba_block_size and mamba_page_size_padded start as None. "
-        "attn_page_bytes_per_token for MLA rows is MLAAttentionSpec's."
+        "attn_page_bytes_per_token is FullAttentionSpec's (MLAAttentionSpec's "
+        "when use_mla) at block_size 1."
     )
     return result
 
 
-def _align_row(
-    use_mla,
-    heads,
-    head_size,
-    kv_dtype,
-    attn_page,
-    state,
-    mamba_page,
-    cache_block,
-    backend_sizes,
-    layer_alignments,
-    mode,
-):
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
-
-    if attn_page is None:
-        attn_page = MLAAttentionSpec(
+def _attn_page_bytes_per_token(use_mla, heads, head_size, kv_dtype):
+    if use_mla:
+        spec = MLAAttentionSpec(
             block_size=1,
             num_kv_heads=heads,
             head_size=head_size,
             dtype=kv_dtype,
             cache_dtype_str="auto",
             kv_quant_mode=get_kv_quant_mode("auto"),
-        ).page_size_bytes
-    backends = [
-        _stub_backend(f"STUB_{i}", sizes) for i, sizes in enumerate(backend_sizes)
-    ]
+        )
+    else:
+        spec = FullAttentionSpec(block_size=1, num_kv_heads=heads, head_size=head_size, dtype=kv_dtype)
+    return spec.page_size_bytes
+
+
+def _align_row(use_mla, heads, head_size, kv_dtype, state, cache_block, backend_sizes, layer_alignments, mode):
+    shapes, dtypes = STATES[state]
+    mamba_page = MambaSpec(shapes=shapes, dtypes=dtypes, block_size=-1).page_size_bytes
+    backends = [_stub_backend(f"STUB_{i}", sizes) for i, sizes in enumerate(backend_sizes)]
     parallel_config = SimpleNamespace()
     model_config = SimpleNamespace(
         dtype=kv_dtype,
@@ -748,9 +680,7 @@ def _align_row(
         cache_config=cache_config,
         model_config=model_config,
         parallel_config=parallel_config,
-        compilation_config=SimpleNamespace(
-            static_forward_context=_forward_context(layer_alignments)
-        ),
+        compilation_config=SimpleNamespace(static_forward_context=_forward_context(layer_alignments)),
     )
     model_cls = _stub_model_cls(state)
     _StubPlatform.backends = backends
@@ -765,7 +695,7 @@ def _align_row(
         heads,
         head_size,
         dtype_name(kv_dtype),
-        attn_page,
+        _attn_page_bytes_per_token(use_mla, heads, head_size, kv_dtype),
         state,
         mamba_page,
         cache_block,
@@ -843,9 +773,7 @@ def _split(
         num_tokens=num_tokens,
         shared_prefix_boundary=junction,
     )
-    result = Scheduler._mamba_block_aligned_split(
-        scheduler, request, new, local, external
-    )
+    result = Scheduler._mamba_block_aligned_split(scheduler, request, new, local, external)
     return [
         case,
         block,
@@ -872,35 +800,35 @@ def _split(
 
 DOC_SPLIT_CASES = [
     # (case, kwargs, expected tokens without / with internal checkpoints)
-    ("doc_8000_b768", dict(block=768, hash_block=768, prompt=8000, new=8000), 7680, 8000),
-    ("doc_2002_b1600_h16", dict(block=1600, hash_block=16, prompt=2002, new=2002), 1600, 2002),
+    ("doc_8000_b768", {"block": 768, "hash_block": 768, "prompt": 8000, "new": 8000}, 7680, 8000),
+    ("doc_2002_b1600_h16", {"block": 1600, "hash_block": 16, "prompt": 2002, "new": 2002}, 1600, 2002),
     (
         "doc_3602_b1600_h16_offered_2000",
-        dict(block=1600, hash_block=16, prompt=3602, new=2000),
+        {"block": 1600, "hash_block": 16, "prompt": 3602, "new": 2000},
         1600,
         1600,
     ),
     (
         "doc_3602_b1600_h16_eagle",
-        dict(block=1600, hash_block=16, prompt=3602, new=3602, eagle=True),
+        {"block": 1600, "hash_block": 16, "prompt": 3602, "new": 3602, "eagle": True},
         None,
         3602,
     ),
     (
         "doc_1159_b1152_a16",
-        dict(block=1152, hash_block=1152, prompt=1159, new=1159),
+        {"block": 1152, "hash_block": 1152, "prompt": 1159, "new": 1159},
         1152,
         1159,
     ),
     (
         "doc_5000_resume_331_b1600",
-        dict(block=1600, hash_block=1600, prompt=5000, computed=331, new=4669),
+        {"block": 1600, "hash_block": 1600, "prompt": 5000, "computed": 331, "new": 4669},
         1269,
         1269,
     ),
     (
         "doc_5000_budget_1000_b1600",
-        dict(block=1600, hash_block=1600, prompt=5000, new=1000, budget=1000),
+        {"block": 1600, "hash_block": 1600, "prompt": 5000, "new": 1000, "budget": 1000},
         1000,
         None,
     ),
@@ -925,25 +853,17 @@ def mamba_block_aligned_split_table():
     rng = random.Random(7)
     hash_choices = {16: (16, 4, 8), 528: (528, 16, 48), 768: (768, 16, 256), 1600: (1600, 16, 64)}
     spec_modes = ((False, 0), (True, 0), (False, 1), (False, 3))
-    for block, hashes in hash_choices.items():
-        for hash_block in hashes:
-            for alignment in (None, 1, 16, 64):
-                for eagle, lookahead in spec_modes:
-                    for threshold in (0, 1, 512):
-                        if threshold == 1 and block != 16:
-                            continue
-                        for _ in range(11):
-                            rows.append(
-                                _random_split(
-                                    rng,
-                                    block,
-                                    hash_block,
-                                    alignment,
-                                    eagle,
-                                    lookahead,
-                                    threshold,
-                                )
-                            )
+    configs = [
+        (block, hash_block, alignment, eagle, lookahead, threshold)
+        for block, hashes in hash_choices.items()
+        for hash_block in hashes
+        for alignment in (None, 1, 16, 64)
+        for eagle, lookahead in spec_modes
+        for threshold in (0, 1, 512)
+        if threshold != 1 or block == 16
+    ]
+    for config in configs:
+        rows += [_random_split(rng, *config) for _ in range(11)]
     result = table(SPLIT_COLUMNS, rows)
     result["doc_table_mismatches"] = doc_mismatches
     result["note"] = (
@@ -1015,7 +935,7 @@ def _random_split(rng, block, hash_block, alignment, eagle, lookahead, threshold
 
 def dump(data, path):
     """Compact JSON with one table row per line."""
-    compact = dict(separators=(",", ":"))
+    compact = {"separators": (",", ":")}
     parts = ["{\n", f'"meta":{json.dumps(data["meta"], **compact)}']
     for key, value in data.items():
         if key == "meta":
@@ -1033,7 +953,7 @@ def dump(data, path):
 
 def main():
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_OUT
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
     data = {
         "meta": {
             "vllm_version": vllm.__version__,

@@ -39,14 +39,18 @@ def check_state_layout(state_layout: str) -> str:
     return state_layout
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def check_non_negative(value: int, *, name: str) -> int:
-    if int(value) != value or value < 0:
+    if not _is_int(value) or value < 0:
         raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
     return int(value)
 
 
 def check_positive(value: int, *, name: str) -> int:
-    if int(value) != value or value <= 0:
+    if not _is_int(value) or value <= 0:
         raise ValueError(f"{name}: must be a positive integer, got {value!r}")
     return int(value)
 

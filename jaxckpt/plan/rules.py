@@ -149,7 +149,7 @@ def row_checkpoints(query_start: int, query_end: int, *, hash_block_size: int, b
     extra = []
     for pos in candidates:
         column = pos // block_size - 1
-        if (pos > 0 and column < checkpoint_column(query_end, block_size)
+        if (initial_state_column(query_start, block_size) < column < checkpoint_column(query_end, block_size)
                 and is_checkpoint_valid(query_start, query_end, pos, hash_block_size=hash_block_size,
                                         block_size=block_size, alignment=alignment)):
             extra.append((pos, column))

@@ -46,6 +46,8 @@ class SchedulerConfig:
         if self.has_checkpoint_blocks and self.checkpoint_alignment is None:
             raise ValueError("checkpoint_alignment: required when has_checkpoint_blocks is set")
         check_non_negative(self.num_hash_lookahead_tokens, name="num_hash_lookahead_tokens")
+        if self.eagle_block_drop and self.num_hash_lookahead_tokens > 0:
+            raise ValueError("eagle_block_drop: vLLM uses EAGLE block drop only without hash lookahead tokens")
         check_positive(self.max_num_scheduled_tokens, name="max_num_scheduled_tokens")
         check_non_negative(self.long_prefill_token_threshold, name="long_prefill_token_threshold")
 

@@ -129,14 +129,14 @@ class BlockSizes:
 def hybrid_block_sizes(*, mamba_page_bytes: int, attention_page_bytes_per_token: int, cache_block_size: int,
                        min_kernel_block_size: int, backend_block_alignment: int = 1, use_mla: bool = False,
                        mamba_cache_mode: str = "align", checkpoint_alignment: int | None = None) -> BlockSizes:
-    """vLLM 0.33's hybrid block-size alignment for "align" and "none" modes.
+    """vLLM 0.33's hybrid block-size alignment (`Platform._align_hybrid_block_size`); "all" has no branch of its own.
 
     The kernel block alignment (the attention backend's smallest kernel block, at least the configured block size,
     128 under MLA) is lcm'd with the model's checkpoint alignment in align mode; the block is then the smallest
     multiple of it whose attention page holds one recurrent page, rounded up to every backend's smallest block.
     """
-    if mamba_cache_mode not in ("align", "none"):
-        raise ValueError(f"mamba_cache_mode: hybrid_block_sizes covers 'align' and 'none', got {mamba_cache_mode!r}")
+    if mamba_cache_mode not in CACHE_MODES:
+        raise ValueError(f"mamba_cache_mode: must be one of {CACHE_MODES}, got {mamba_cache_mode!r}")
     check_positive(mamba_page_bytes, name="mamba_page_bytes")
     check_positive(attention_page_bytes_per_token, name="attention_page_bytes_per_token")
     check_positive(cache_block_size, name="cache_block_size")

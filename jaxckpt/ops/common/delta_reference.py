@@ -1,4 +1,4 @@
-"""Token-by-token float64 reference of the gated delta rule, shared by GDN (scalar decay) and KDA (per-key-channel decay).
+"""Token-by-token float64 reference of the gated delta rule, shared by GDN (scalar decay) and KDA (per-channel decay).
 
 Written for clarity, not speed: a Python loop over rows and tokens, numpy over heads. Every input is upcast to float64
 before any arithmetic, so the result does not depend on the input dtype beyond the rounding of the inputs themselves.
