@@ -1,0 +1,269 @@
+"""What every public op entry shares: implementation choice, batch flattening, metadata validation, paged pools and
+the split-at-checkpoint driver.
+
+Implementations are looked up by name in an op's registry, `{name: "module:function"}`, and imported on first use. A
+module may define `supports(**call) -> str | None`: a reason string declines the call, and `implementation=None`
+then falls back to the next (the portable "xla" path last) keeping the reasons for `explain_choice`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxckpt.plan.conventions import NULL_SLOT, validate_checkpoints, validate_cu_seqlens, validate_slots
+from jaxckpt.plan.layout import split_layout
+
+DEFAULT_ORDER = ("pallas_mosaic_gpu", "pallas_triton", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    name: str
+    function: Callable
+    declined: tuple[tuple[str, str], ...]  # (implementation, reason) tried before this one
+
+
+def _load(target: str):
+    module_name, _, attr = target.partition(":")
+    module = importlib.import_module(module_name)
+    return module, getattr(module, attr)
+
+
+def choose_implementation(registry: Mapping[str, str], implementation: str | None, **call) -> Choice:
+    """The implementation to run: the one named, or the first of DEFAULT_ORDER that supports this call here."""
+    if implementation is not None:
+        if implementation not in registry:
+            raise ValueError(f"implementation: must be one of {sorted(registry)} or None, got {implementation!r}")
+        module, function = _load(registry[implementation])
+        reason = getattr(module, "supports", lambda **_: None)(**call)
+        if reason is not None:
+            raise ValueError(f"implementation: {implementation!r} does not support this call: {reason}")
+        return Choice(implementation, function, ())
+    declined = []
+    for name in DEFAULT_ORDER:
+        if name not in registry:
+            continue
+        try:
+            module, function = _load(registry[name])
+        except ImportError as error:
+            declined.append((name, f"unavailable: {error}"))
+            continue
+        reason = getattr(module, "supports", lambda **_: None)(**call)
+        if reason is None:
+            return Choice(name, function, tuple(declined))
+        declined.append((name, reason))
+    raise ValueError(f"implementation: nothing supports this call; declined: {declined}")
+
+
+def is_traced(*values) -> bool:
+    return any(isinstance(v, jax.core.Tracer) for v in values)
+
+
+def flatten_batch(arrays: Sequence, cu_seqlens, *, packed_ndim: int, name: str):
+    """Accepts `[B, T, ...]` inputs (flattened to B packed rows of length T) or packed `[T, ...]` inputs as they are.
+
+    `packed_ndim` is the rank of the first array in packed form. Returns (packed arrays, cu_seqlens, batch shape or
+    None).
+    """
+    first = arrays[0]
+    if first.ndim != packed_ndim + 1:
+        return list(arrays), cu_seqlens, None
+    if cu_seqlens is not None:
+        raise ValueError(f"cu_seqlens: must be None for batched [B, T, ...] inputs, got {name} of shape {first.shape}")
+    batch, length = first.shape[:2]
+    packed = [None if a is None else a.reshape(batch * length, *a.shape[2:]) for a in arrays]
+    return packed, np.arange(batch + 1, dtype=np.int32) * length, (batch, length)
+
+
+def unflatten(array, batch_shape):
+    return array if batch_shape is None else array.reshape(*batch_shape, *array.shape[1:])
+
+
+def host_metadata(num_tokens: int, cu_seqlens, checkpoint_cu, checkpoint_offsets):
+    """Validates concrete metadata once on the host (skipped when traced: the caller vouches for it)."""
+    if is_traced(cu_seqlens, checkpoint_cu, checkpoint_offsets):
+        if (checkpoint_cu is None) != (checkpoint_offsets is None):
+            raise ValueError("checkpoint_cu and checkpoint_offsets: give both or neither")
+        return cu_seqlens, checkpoint_cu, checkpoint_offsets
+    cu = validate_cu_seqlens(None if cu_seqlens is None else np.asarray(cu_seqlens), num_tokens)
+    ccu, offsets = validate_checkpoints(None if checkpoint_cu is None else np.asarray(checkpoint_cu),
+                                        None if checkpoint_offsets is None else np.asarray(checkpoint_offsets), cu)
+    return cu, ccu, offsets
+
+
+def validate_pool_slots(num_slots: int, *, initial_state_indices, final_state_indices, checkpoint_state_indices,
+                        checkpoint_cu, num_rows: int):
+    """Host checks of the paged form: slots in range, one per row / checkpoint, no slot written twice."""
+    if is_traced(initial_state_indices, final_state_indices, checkpoint_state_indices, checkpoint_cu):
+        return
+    initial = validate_slots(initial_state_indices, num_slots, name="initial_state_indices")
+    final = validate_slots(final_state_indices, num_slots, name="final_state_indices")
+    for name, slots in (("initial_state_indices", initial), ("final_state_indices", final)):
+        if slots.size != num_rows:
+            raise ValueError(f"{name}: needs one slot per row ({num_rows}), got {slots.size}")
+    written = [final]
+    if checkpoint_state_indices is not None:
+        ckpt = validate_slots(checkpoint_state_indices, num_slots, name="checkpoint_state_indices")
+        real = int(np.asarray(checkpoint_cu)[-1])
+        if np.any(ckpt[real:] != NULL_SLOT):
+            raise ValueError("checkpoint_state_indices: padded checkpoint entries must carry the null slot")
+        written.append(ckpt[:real])
+    written = np.concatenate(written)
+    written = written[written != NULL_SLOT]
+    if np.unique(written).size != written.size:
+        raise ValueError("final_state_indices/checkpoint_state_indices: a slot is written twice in one call")
+
+
+def gather_states(state_pool, initial_state_indices, has_initial_state):
+    """Initial states [N, ...] fp32 from the pool; zeros for fresh rows and the null slot (never read as real)."""
+    idx = jnp.asarray(initial_state_indices, jnp.int32)
+    use = jnp.asarray(has_initial_state, bool) & (idx != NULL_SLOT)
+    states = state_pool[idx].astype(jnp.float32)
+    return jnp.where(use.reshape(-1, *([1] * (states.ndim - 1))), states, 0.0)
+
+
+def scatter_states(state_pool, slots, states, valid=None):
+    """Writes states into the pool (cast to its dtype); the null slot and invalid entries write nothing."""
+    idx = jnp.asarray(slots, jnp.int32)
+    keep = idx != NULL_SLOT
+    if valid is not None:
+        keep = keep & valid
+    idx = jnp.where(keep, idx, state_pool.shape[0])
+    return state_pool.at[idx].set(states.astype(state_pool.dtype), mode="drop")
+
+
+def checkpoint_valid_mask(checkpoint_cu, num_checkpoints: int):
+    return jnp.arange(num_checkpoints, dtype=jnp.int32) < jnp.asarray(checkpoint_cu, jnp.int32)[-1]
+
+
+def run_split(function: Callable, token_arrays: Mapping[str, object], initial_state, cu_seqlens, checkpoint_cu,
+              checkpoint_offsets, **options):
+    """Split-at-checkpoint: launch j runs segment j of every row from the previous launch's final states.
+
+    `function(**token arrays, initial_state=..., cu_seqlens=..., **options)` must return (out, final_state, _). The
+    checkpoint states are the launches' final states; k checkpoints per row cost k + 1 dependent launches.
+    `initial_state` is [N, ...] fp32 (zeros for fresh rows); the metadata must be concrete.
+    """
+    first = next(iter(token_arrays.values()))
+    states = initial_state
+    out = None
+    checkpoint_states = None
+    for launch in split_layout(cu_seqlens, checkpoint_cu, checkpoint_offsets):
+        tokens = jnp.asarray(launch.token_indices)
+        rows = jnp.asarray(launch.rows)
+        seg_out, seg_final, _ = function(**{name: a[tokens] for name, a in token_arrays.items()},
+                                         initial_state=states[rows], cu_seqlens=jnp.asarray(launch.cu_seqlens),
+                                         **options)
+        if out is None:
+            out = jnp.zeros((first.shape[0], *seg_out.shape[1:]), seg_out.dtype)
+            checkpoint_states = jnp.zeros((np.asarray(checkpoint_offsets).size, *seg_final.shape[1:]),
+                                          seg_final.dtype)
+        out = out.at[tokens].set(seg_out)
+        states = states.at[rows].set(seg_final)
+        has_ckpt = launch.checkpoint_ids >= 0
+        if has_ckpt.any():
+            checkpoint_states = checkpoint_states.at[jnp.asarray(launch.checkpoint_ids[has_ckpt])].set(
+                seg_final[jnp.asarray(np.nonzero(has_ckpt)[0])])
+    return out, states, checkpoint_states
+
+
+CHECKPOINT_METHODS = ("in_chunk", "forced_break", "split")
+
+
+def _accepted(function: Callable, options: Mapping[str, object]) -> dict:
+    params = inspect.signature(function).parameters
+    return {name: value for name, value in options.items() if name in params}
+
+
+def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapping[str, object], *, initial_state,
+        cu_seqlens, checkpoint_cu, checkpoint_offsets, implementation: str | None, checkpoint_method: str,
+        num_decodes: int, decode_step: Callable | None, support_call: Mapping[str, object],
+        state_shape: tuple[int, ...], kernel_options: Mapping[str, object] | None = None):
+    """One public op call on packed inputs: picks the implementation, peels off leading decode rows, runs.
+
+    `arrays` are the per-token inputs by parameter name; `options` the op's other arguments (per-head parameters such
+    as SSD's `A` included), passed on to an implementation only where its signature takes them. The first `num_decodes` rows must be single tokens (vLLM puts
+    decode rows first); they take `decode_step(**arrays, initial_state=..., **options)` instead of chunk machinery.
+    """
+    if checkpoint_method not in CHECKPOINT_METHODS:
+        raise ValueError(f"checkpoint_method: must be one of {CHECKPOINT_METHODS}, got {checkpoint_method!r}")
+    if not isinstance(num_decodes, int) or num_decodes < 0:
+        raise ValueError(f"num_decodes: must be a non-negative Python int, got {num_decodes!r}")
+    choice = choose_implementation(registry, implementation, **support_call)
+    first = next(iter(arrays.values()))
+    cu, ccu, offsets = host_metadata(first.shape[0], cu_seqlens, checkpoint_cu, checkpoint_offsets)
+    if choice.name == "reference":
+        return choice.function(**arrays, **options, initial_state=initial_state, cu_seqlens=cu,
+                               checkpoint_cu=ccu, checkpoint_offsets=offsets)
+    if num_decodes and not is_traced(cu) and np.any(np.asarray(cu)[:num_decodes + 1] != np.arange(num_decodes + 1)):
+        raise ValueError(f"num_decodes: the first {num_decodes} rows must hold one token each (decode rows first)")
+    extra = {"checkpoint_method": checkpoint_method} if checkpoint_method != "split" else {}
+    call = _accepted(choice.function, {**options, **(kernel_options or {}), **extra})
+    prefill_arrays = {name: a[num_decodes:] for name, a in arrays.items()}
+    prefill_cu = jnp.asarray(cu)[num_decodes:] - num_decodes if num_decodes else cu
+    prefill_ccu = jnp.asarray(ccu)[num_decodes:] if num_decodes else ccu
+    prefill_state = None if initial_state is None else initial_state[num_decodes:]
+    if num_decodes == jnp.shape(cu)[0] - 1:
+        out, final, ckpt = None, None, jnp.zeros((jnp.shape(offsets)[0], *state_shape), jnp.float32)
+    elif checkpoint_method == "split":
+        if is_traced(cu, ccu, offsets):
+            raise ValueError("checkpoint_method: 'split' plans on the host and needs concrete metadata")
+        prefill_cu = np.asarray(prefill_cu)
+        state0 = (jnp.zeros((prefill_cu.size - 1, *state_shape), jnp.float32) if prefill_state is None
+                  else jnp.asarray(prefill_state, jnp.float32))
+        out, final, ckpt = run_split(choice.function, prefill_arrays, state0, prefill_cu, np.asarray(prefill_ccu),
+                                     np.asarray(offsets), **call)
+    else:
+        out, final, ckpt = choice.function(**prefill_arrays, **call, initial_state=prefill_state,
+                                           cu_seqlens=prefill_cu, checkpoint_cu=prefill_ccu,
+                                           checkpoint_offsets=offsets)
+    if not num_decodes:
+        return out, final, ckpt
+    decode_arrays = {name: a[:num_decodes] for name, a in arrays.items()}
+    d_out, d_final = decode_step(**decode_arrays, initial_state=None if initial_state is None
+                                 else initial_state[:num_decodes], **options)
+    if out is None:
+        return d_out, d_final, ckpt
+    return jnp.concatenate([d_out.astype(out.dtype), out]), jnp.concatenate([d_final, final]), ckpt
+
+
+@jax.jit
+def _write_pool(state_pool, final_slots, final_states, checkpoint_slots, checkpoint_states, checkpoint_valid):
+    state_pool = scatter_states(state_pool, final_slots, final_states)
+    return scatter_states(state_pool, checkpoint_slots, checkpoint_states, checkpoint_valid)
+
+
+_write_pool_donated = jax.jit(_write_pool.__wrapped__, donate_argnums=0)
+
+
+def run_paged(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapping[str, object], state_pool,
+              *, initial_state_indices, has_initial_state, final_state_indices, checkpoint_state_indices, cu_seqlens,
+              checkpoint_cu, checkpoint_offsets, donate: bool = True, **run_options):
+    """`run` over a paged state pool: gathers initial states, runs, writes final and checkpoint states in place.
+
+    The null slot is never read as a real state nor written; padded checkpoints write nothing; a bf16 pool gets the
+    fp32 states cast on write. With `donate`, the pool's buffer is reused for the result.
+    """
+    first = next(iter(arrays.values()))
+    cu, ccu, offsets = host_metadata(first.shape[0], cu_seqlens, checkpoint_cu, checkpoint_offsets)
+    num_rows = (cu.shape[0] if hasattr(cu, "shape") else len(cu)) - 1
+    validate_pool_slots(state_pool.shape[0], initial_state_indices=initial_state_indices,
+                        final_state_indices=final_state_indices, checkpoint_state_indices=checkpoint_state_indices,
+                        checkpoint_cu=ccu, num_rows=num_rows)
+    initial = gather_states(state_pool, initial_state_indices, has_initial_state)
+    out, final, ckpt = run(registry, arrays, options, initial_state=initial, cu_seqlens=cu, checkpoint_cu=ccu,
+                           checkpoint_offsets=offsets, **run_options)
+    num_ckpt = ckpt.shape[0]
+    slots = (jnp.zeros(num_ckpt, jnp.int32) if checkpoint_state_indices is None
+             else jnp.asarray(checkpoint_state_indices, jnp.int32))
+    writer = _write_pool_donated if donate else _write_pool
+    pool = writer(state_pool, jnp.asarray(final_state_indices, jnp.int32), jnp.asarray(final),
+                  slots, jnp.asarray(ckpt), checkpoint_valid_mask(ccu, num_ckpt))
+    return out, pool

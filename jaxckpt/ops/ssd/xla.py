@@ -1,0 +1,200 @@
+"""Chunk-parallel Mamba2 SSD in plain JAX (XLA): outputs, final states and prefill checkpoints in one pass.
+
+The chunked SSD form (kernels.md §2.1; derivation in README.md): per chunk the local decay cumsum, the masked
+intra-chunk product (L o C B^T) (delta x), the local end-of-chunk state, a `lax.scan` carrying the state across
+chunks, and the inter-chunk readout exp(Acs_i) H_c C_i. Rows are packed into chunks by the device-side
+`chunk_layout`, so the whole op works under `jax.jit` with traced `cu_seqlens` / checkpoint arrays (static shapes,
+no host sync) and is differentiable with `jax.grad`. Arithmetic is fp32 at HIGHEST matmul precision (float64 for
+float64 inputs); y comes back in x.dtype, states in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxckpt.ops.conv1d.xla import check_float, compute_dtype, packed_metadata
+from jaxckpt.plan.conventions import check_positive, check_state_layout
+from jaxckpt.plan.layout import chunk_layout
+
+CHECKPOINT_METHODS = ("in_chunk", "forced_break")
+# mamba_ssm's `_chunk_cumsum_fwd` returns dt itself above this threshold instead of softplus(dt).
+_SOFTPLUS_THRESHOLD = 20.0
+
+
+def _einsum(spec, *operands):
+    return jnp.einsum(spec, *operands, precision=lax.Precision.HIGHEST)
+
+
+def _softplus(v):
+    # the clamp inside keeps exp (and its gradient) finite on the branch that `where` discards
+    return jnp.where(v > _SOFTPLUS_THRESHOLD, v, jnp.log1p(jnp.exp(jnp.minimum(v, _SOFTPLUS_THRESHOLD))))
+
+
+def _check_dt_limit(dt_limit):
+    if dt_limit is None:
+        return None
+    try:
+        lo, hi = (float(v) for v in dt_limit)
+    except (TypeError, ValueError):
+        raise ValueError(f"dt_limit: expected None or a pair (lo, hi) of numbers, got {dt_limit!r}") from None
+    if not lo <= hi:
+        raise ValueError(f"dt_limit: needs lo <= hi, got ({lo}, {hi})")
+    return lo, hi
+
+
+def _check_shape(array, expected: tuple, *, name: str, spec: str) -> None:
+    if array.shape != expected:
+        raise ValueError(f"{name}: expected {spec} = {expected}, got shape {array.shape}")
+
+
+def _exp_masked(log_ratio, mask):
+    """exp of decay log-ratios, masked BEFORE exponentiation so the unused (j > i) ratios cannot overflow."""
+    return jnp.exp(jnp.where(mask, log_ratio, -jnp.inf))
+
+
+def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_state=None, cu_seqlens=None,
+        checkpoint_cu=None, checkpoint_offsets=None, state_layout="vk", chunk_size=64,
+        checkpoint_method="in_chunk"):
+    """Chunked SSD scan of packed rows with final and checkpoint states.
+
+    x [T, H, P]; dt [T, H] raw (delta = softplus(dt + dt_bias), then clamped to dt_limit = (lo, hi) when given);
+    A [H]; B, C [T, G, N] with G dividing H (head h reads group h // (H // G)); D [H] or [H, P] (None = 0);
+    z [T, H, P] gate (y * silu(z)); initial_state [N_rows, H, P, N] ("vk") or [N_rows, H, N, P] ("kv"), None = zeros;
+    cu_seqlens i32[N_rows + 1] (None = one row); checkpoint_cu i32[N_rows + 1] + checkpoint_offsets i32[M] (CSR).
+
+    `checkpoint_method="in_chunk"` keeps the chunk grid anchored at each row start and reads a checkpoint inside its
+    chunk (outputs and final states are bitwise independent of the checkpoints); "forced_break" starts a new chunk
+    at every checkpoint and emits the carried state there.
+
+    Returns (y [T, H, P] in x.dtype, final_state [N_rows, H, P, N], checkpoint_states [M, H, P, N]) (states
+    [.., H, N, P] for "kv", fp32 or float64 for float64 x). Padding tokens past cu_seqlens[N] and padded checkpoint
+    entries are zeros. Metadata values are not checked here (callers run `jaxckpt.plan.conventions.validate_*`).
+    """
+    check_state_layout(state_layout)
+    chunk_size = check_positive(chunk_size, name="chunk_size")
+    if checkpoint_method not in CHECKPOINT_METHODS:
+        raise ValueError(f"checkpoint_method: must be one of {CHECKPOINT_METHODS}, got {checkpoint_method!r}")
+    x = check_float(x, name="x")  # [T, H, P]
+    if x.ndim != 3:
+        raise ValueError(f"x: expected [T, H, P], got shape {x.shape}")
+    num_tokens, num_heads, head_dim = x.shape
+    dt = check_float(dt, name="dt")  # [T, H]
+    _check_shape(dt, (num_tokens, num_heads), name="dt", spec="[T, H]")
+    A = check_float(A, name="A")  # [H]
+    _check_shape(A, (num_heads,), name="A", spec="[H]")
+    B = check_float(B, name="B")  # [T, G, N]
+    if B.ndim != 3 or B.shape[0] != num_tokens:
+        raise ValueError(f"B: expected [T, G, N] with T={num_tokens}, got shape {B.shape}")
+    num_groups, state_dim = B.shape[1:]
+    if num_groups == 0 or num_heads % num_groups:
+        raise ValueError(f"B: groups G={num_groups} must divide the heads H={num_heads}")
+    C = check_float(C, name="C")  # [T, G, N]
+    _check_shape(C, B.shape, name="C", spec="[T, G, N] like B")
+    cdt = compute_dtype(x.dtype)
+    if D is not None:
+        D = check_float(D, name="D").astype(cdt)
+        if D.shape == (num_heads,):
+            D = D[:, None]
+        elif D.shape != (num_heads, head_dim):
+            raise ValueError(
+                f"D: expected [H] = ({num_heads},) or [H, P] = {(num_heads, head_dim)}, got shape {D.shape}")
+    if dt_bias is not None:
+        dt_bias = check_float(dt_bias, name="dt_bias")  # [H]
+        _check_shape(dt_bias, (num_heads,), name="dt_bias", spec="[H]")
+    if z is not None:
+        z = check_float(z, name="z")  # [T, H, P]
+        _check_shape(z, x.shape, name="z", spec="[T, H, P] like x")
+    limit = _check_dt_limit(dt_limit)
+    cu, ccu, offsets = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets, num_tokens)
+    num_rows = cu.shape[0] - 1
+    if initial_state is None:
+        initial = jnp.zeros((num_rows, num_heads, head_dim, state_dim), cdt)
+    else:
+        initial = check_float(initial_state, name="initial_state").astype(cdt)
+        if state_layout == "vk":
+            _check_shape(initial, (num_rows, num_heads, head_dim, state_dim), name="initial_state",
+                         spec='[N_rows, H, P, N] ("vk")')
+        else:
+            _check_shape(initial, (num_rows, num_heads, state_dim, head_dim), name="initial_state",
+                         spec='[N_rows, H, N, P] ("kv")')
+            initial = jnp.swapaxes(initial, -1, -2)
+
+    forced = checkpoint_method == "forced_break"
+    layout = chunk_layout(cu, ccu, offsets, chunk_size=chunk_size, num_tokens=num_tokens, forced_breaks=forced,
+                          xp=jnp)
+    num_chunks = layout.chunk_len.shape[0]
+    reps = num_heads // num_groups
+    pos = jnp.arange(chunk_size, dtype=jnp.int32)
+    chunk_tokens = jnp.clip(layout.chunk_start[:, None] + pos, 0, max(num_tokens - 1, 0))  # i32[NC, C]
+    in_chunk = pos < layout.chunk_len[:, None]  # bool[NC, C]
+
+    def to_chunks(array):  # [T, ...] -> [NC, C, ...] in the compute dtype
+        if num_tokens == 0:
+            return jnp.zeros((num_chunks, chunk_size) + array.shape[1:], cdt)
+        return array[chunk_tokens].astype(cdt)
+
+    raw = dt.astype(cdt) if dt_bias is None else dt.astype(cdt) + dt_bias.astype(cdt)
+    delta = _softplus(raw)  # [T, H]
+    if limit is not None:
+        delta = jnp.clip(delta, *limit)
+    # padding slots get delta = 0: no decay, no input, so they are no-ops for every state and cumsum
+    delta_c = jnp.where(in_chunk[..., None], to_chunks(delta), 0)  # [NC, C, H]
+    x_c = to_chunks(x)  # [NC, C, H, P]
+    B_c = to_chunks(B)  # [NC, C, G, N]
+    C_c = to_chunks(C)  # [NC, C, G, N]
+    acs = jnp.cumsum(jnp.swapaxes(delta_c, 1, 2) * A.astype(cdt)[:, None], axis=2)  # [NC, H, C] chunk-local
+    xdt = (x_c * delta_c[..., None]).reshape(num_chunks, chunk_size, num_groups, reps, head_dim)  # [NC, C, G, R, P]
+
+    causal = pos[:, None] >= pos[None, :]
+    L = _exp_masked(acs[:, :, :, None] - acs[:, :, None, :], causal)  # [NC, H, C, C]
+    CB = _einsum("kign,kjgn->kgij", C_c, B_c)  # [NC, G, C, C]
+    scores = L.reshape(num_chunks, num_groups, reps, chunk_size, chunk_size) * CB[:, :, None]
+    y_intra = _einsum("kgrij,kjgrp->kigrp", scores, xdt)  # [NC, C, G, R, P]
+
+    to_end = jnp.exp(acs[:, :, -1:] - acs).reshape(num_chunks, num_groups, reps, chunk_size)  # [NC, G, R, C]
+    local = _einsum("kgrj,kjgrp,kjgn->kgrpn", to_end, xdt, B_c)
+    local = local.reshape(num_chunks, num_heads, head_dim, state_dim)  # [NC, H, P, N] chunk-local end state
+    chunk_decay = jnp.exp(acs[:, :, -1])  # [NC, H]
+
+    def step(carry, chunk):
+        first, row, decay, update = chunk
+        entering = jnp.where(first, initial[row], carry)
+        return decay[:, None, None] * entering + update, entering
+
+    _, states = lax.scan(step, jnp.zeros_like(initial[0]),
+                         (layout.chunk_first, layout.chunk_row, chunk_decay, local))  # [NC, H, P, N] entering
+
+    states_g = states.reshape(num_chunks, num_groups, reps, head_dim, state_dim)
+    y_inter = _einsum("kgrpn,kign->kigrp", states_g, C_c)
+    y_inter = y_inter * jnp.exp(jnp.swapaxes(acs, 1, 2)).reshape(num_chunks, chunk_size, num_groups, reps)[..., None]
+    y_c = (y_intra + y_inter).reshape(num_chunks, chunk_size, num_heads, head_dim)
+    y = y_c[layout.token_chunk, layout.token_pos]  # [T, H, P]
+    if D is not None:
+        y = y + D * x.astype(cdt)
+    if z is not None:
+        y = y * jax.nn.silu(z.astype(cdt))
+    y = jnp.where(layout.token_valid[:, None, None], y, 0).astype(x.dtype)
+
+    last = jnp.maximum(layout.row_first_chunk + layout.row_num_chunks - 1, 0)
+    final_state = chunk_decay[last][:, :, None, None] * states[last] + local[last]
+    final_state = jnp.where((layout.row_num_chunks > 0)[:, None, None, None], final_state, initial)
+
+    c, r = layout.checkpoint_chunk, layout.checkpoint_pos
+    if forced:
+        checkpoint_states = states[c]
+    else:
+        # state after the first r tokens of chunk c: exp(Acs_{r-1}) H_c + sum_{i<r} exp(Acs_{r-1} - Acs_i) xdt_i B_i^T
+        acs_k = acs[c]  # [M, H, C]
+        ref = jnp.where((r > 0)[:, None], jnp.take_along_axis(acs_k, jnp.maximum(r - 1, 0)[:, None, None],
+                                                                axis=2)[..., 0], 0)  # [M, H]
+        weights = _exp_masked(ref[..., None] - acs_k, pos < r[:, None, None])  # [M, H, C]
+        weights = weights.reshape(-1, num_groups, reps, chunk_size)
+        within = _einsum("mgrj,mjgrp,mjgn->mgrpn", weights, xdt[c], B_c[c])
+        checkpoint_states = jnp.exp(ref)[..., None, None] * states[c] + within.reshape(states[c].shape)
+    checkpoint_states = jnp.where(layout.checkpoint_valid[:, None, None, None], checkpoint_states, 0)
+    if state_layout == "kv":
+        final_state = jnp.swapaxes(final_state, -1, -2)
+        checkpoint_states = jnp.swapaxes(checkpoint_states, -1, -2)
+    return y, final_state, checkpoint_states
