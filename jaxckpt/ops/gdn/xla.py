@@ -1,0 +1,44 @@
+"""Gated DeltaNet (GDN), chunk-parallel in plain jnp/lax: the portable implementation, differentiable, jit-friendly
+with traced varlen and checkpoint metadata. The algorithm and its performance notes are in
+`jaxckpt/ops/common/delta_chunk.py`; the math in README.md beside this file."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jaxckpt.ops.common.delta_chunk import check_static, chunked_delta_rule
+
+_STATIC = ("scale", "use_qk_l2norm", "state_layout", "chunk_size", "checkpoint_method")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None, cu_seqlens=None,
+                     checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
+                     checkpoint_method="in_chunk"):
+    """Gated delta rule with a scalar log decay per token and value head, exporting checkpoint states.
+
+    q, k                # [T, H, K]; optionally L2-normalized (`use_qk_l2norm`); q is multiplied by `scale`
+                        # (a Python number, default K**-0.5)
+    v                   # [T, HV, V]; HV a multiple of H, value head h reads key head h // (HV // H)
+    g                   # [T, HV] log decay (<= 0)
+    beta                # [T, HV]
+    initial_state       # [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk"), any float dtype; None = zeros
+    cu_seqlens          # i32[N + 1]; None = one row over all T tokens
+    checkpoint_cu       # i32[N + 1], CSR with checkpoint_offsets i32[M] (offsets relative to the row start)
+    The metadata arrays may be traced; their values are trusted (validate them with `jaxckpt.plan.conventions`).
+    `chunk_size`: tokens per chunk; `checkpoint_method`: "in_chunk" (fixed chunk grid, checkpoints read inside their
+    chunk) or "forced_break" (a chunk starts at every checkpoint).
+
+    Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] or [N, HV, V, K], checkpoint_states fp32
+    [M, HV, K, V] or [M, HV, V, K]); the checkpoint at offset p is the state after the row's first p tokens.
+    Padding tokens and padded checkpoint entries give zeros.
+    """
+    check_static(q, k, v, g, beta, per_channel_decay=False, scale=scale, initial_state=initial_state,
+                 cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets,
+                 state_layout=state_layout, chunk_size=chunk_size, checkpoint_method=checkpoint_method)
+    return chunked_delta_rule(q, k, v, g[..., None], beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                              initial_state=initial_state, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
+                              checkpoint_offsets=checkpoint_offsets, state_layout=state_layout,
+                              chunk_size=chunk_size, checkpoint_method=checkpoint_method)
