@@ -206,3 +206,15 @@ def test_conv_paged_and_checkpoint_copies_are_exact():
     np.testing.assert_array_equal(new_pool[4], np.concatenate([pool[1][:, 1:], x[0:1].T], axis=1))
     np.testing.assert_array_equal(new_pool[3], x[27:30].T)
     assert np.isnan(new_pool[NULL_SLOT]).all()
+
+
+@pytest.mark.interpret
+def test_pallas_triton_through_the_public_entry_in_interpret_mode():
+    rng = np.random.default_rng(8)
+    q, k, v, g, beta = delta_inputs(rng, 40, H=1, HV=2, K=16, V=16)
+    meta = dict(cu_seqlens=np.array([0, 1, 40]), checkpoint_cu=np.array([0, 0, 1]), checkpoint_offsets=np.array([20]))
+    expected = ops.gated_delta_rule(q, k, v, g, beta, **meta, implementation="reference")
+    got = ops.gated_delta_rule(q, k, v, g, beta, **meta, implementation="pallas_triton", num_decodes=1, chunk_size=16,
+                               kernel_options={"interpret": True})
+    for a, b in zip(got, expected):
+        assert rel(a, b) < 1e-5

@@ -177,9 +177,13 @@ def run_split(function: Callable, token_arrays: Mapping[str, object], initial_st
 CHECKPOINT_METHODS = ("in_chunk", "forced_break", "split")
 
 
-def _accepted(function: Callable, options: Mapping[str, object]) -> dict:
+def _accepted(function: Callable, options: Mapping[str, object], kernel_options: Mapping[str, object]) -> dict:
+    """The options a function's signature names; kernel options all go to a function that takes **tuning."""
     params = inspect.signature(function).parameters
-    return {name: value for name, value in options.items() if name in params}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    call = {name: value for name, value in options.items() if name in params}
+    call.update({name: value for name, value in kernel_options.items() if takes_any or name in params})
+    return call
 
 
 def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapping[str, object], *, initial_state,
@@ -205,7 +209,7 @@ def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapp
     if num_decodes and not is_traced(cu) and np.any(np.asarray(cu)[:num_decodes + 1] != np.arange(num_decodes + 1)):
         raise ValueError(f"num_decodes: the first {num_decodes} rows must hold one token each (decode rows first)")
     extra = {"checkpoint_method": checkpoint_method} if checkpoint_method != "split" else {}
-    call = _accepted(choice.function, {**options, **(kernel_options or {}), **extra})
+    call = _accepted(choice.function, {**options, **extra}, kernel_options or {})
     prefill_arrays = {name: a[num_decodes:] for name, a in arrays.items()}
     prefill_cu = jnp.asarray(cu)[num_decodes:] - num_decodes if num_decodes else cu
     prefill_ccu = jnp.asarray(ccu)[num_decodes:] if num_decodes else ccu

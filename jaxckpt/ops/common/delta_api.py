@@ -17,6 +17,6 @@ def prepare_delta(q, k, v, g, beta, cu_seqlens, *, options: Mapping[str, object]
     shape = (num_v_heads, head_k, head_v) if layout == "kv" else (num_v_heads, head_v, head_k)
     kernel = dict(chunk_size=chunk_size, **(kernel_options or {}))
     run_options = dict(implementation=implementation, checkpoint_method=checkpoint_method, num_decodes=num_decodes,
-                       decode_step=decode_step, support_call={**arrays, **options, **kernel}, state_shape=shape,
+                       decode_step=decode_step, support_call={**arrays, **kernel}, state_shape=shape,
                        kernel_options=kernel)
     return arrays, cu_seqlens, batch, run_options

@@ -24,7 +24,7 @@ def _prepare(x, dt, A, B, C, D, dt_bias, z, dt_limit, cu_seqlens, state_layout, 
     shape = (num_heads, head_p, state_n) if state_layout == "vk" else (num_heads, state_n, head_p)
     kernel = dict(chunk_size=chunk_size, **(kernel_options or {}))
     run_options = dict(implementation=implementation, checkpoint_method=checkpoint_method, num_decodes=num_decodes,
-                       decode_step=ssd_step, support_call={**arrays, **options, **kernel}, state_shape=shape,
+                       decode_step=ssd_step, support_call={**arrays, **kernel}, state_shape=shape,
                        kernel_options=kernel)
     return arrays, options, cu_seqlens, batch, run_options
 

@@ -1,0 +1,111 @@
+"""Shared by every benchmark: one result schema, timers for JAX and torch, the environment record, table output.
+
+A result file is one JSON object: {"schema": 1, "device", "versions", "command", "started", "results": [...]};
+each result row: {op, implementation, shape: {B, T, H, HV, K, V, ...}, rows, checkpoints, dtype, median_ms, p20_ms,
+p80_ms, n, note}. Peers timed in the same run are rows like any other (implementation "fla", "jla_mosaic_gpu", ...).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SCHEMA = 1
+
+
+def versions() -> dict:
+    found = {"python": platform.python_version()}
+    for name in ("jax", "jaxlib", "flax", "torch", "triton", "fla", "jla", "numpy"):
+        try:
+            module = __import__(name)
+            found[name] = getattr(module, "__version__", "?")
+        except Exception:  # noqa: BLE001 - a missing or broken peer is recorded, not fatal
+            continue
+    return found
+
+
+def device() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode == 0:
+            return out.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return platform.processor() or platform.machine()
+
+
+def jax_time(fn, *args, warmup: int = 3, reps: int = 20) -> dict:
+    """Median wall time of a jitted call after `block_until_ready` (compile and warmup excluded)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    for _ in range(warmup - 1):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return _stats(times)
+
+
+def torch_time(fn, *, warmup_ms: int = 50, rep_ms: int = 300) -> dict:
+    """triton.testing.do_bench (events, L2 flushed between runs)."""
+    import triton
+
+    median, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return {"median_ms": float(median), "p20_ms": float(p20), "p80_ms": float(p80), "n": None}
+
+
+def _stats(times) -> dict:
+    times = np.asarray(times)
+    return {"median_ms": float(np.median(times)), "p20_ms": float(np.percentile(times, 20)),
+            "p80_ms": float(np.percentile(times, 80)), "n": int(times.size)}
+
+
+class Recorder:
+    """Collects result rows and writes them (JSON + a markdown table) under `out_dir`."""
+
+    def __init__(self, name: str, out_dir: str | os.PathLike):
+        self.name = name
+        self.out_dir = Path(out_dir)
+        self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.results: list[dict] = []
+
+    def add(self, **row):
+        self.results.append(row)
+        timing = f"{row['median_ms']:.3f} ms" if row.get("median_ms") is not None else row.get("note", "")
+        print(f"  {row['op']:<6} {row['implementation']:<22} {json.dumps(row.get('shape'))} "
+              f"ckpt={row.get('checkpoints')} {timing}", flush=True)
+
+    def write(self) -> Path:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        payload = {"schema": SCHEMA, "name": self.name, "device": device(), "versions": versions(),
+                   "command": " ".join([Path(sys.executable).name, *sys.argv]), "started": self.started,
+                   "results": self.results}
+        path = self.out_dir / f"{self.name}.json"
+        path.write_text(json.dumps(payload, indent=1))
+        (self.out_dir / f"{self.name}.md").write_text(table(payload))
+        return path
+
+
+def table(payload: dict) -> str:
+    lines = [f"# {payload['name']}", "", f"device: {payload['device']}", f"versions: {payload['versions']}",
+             f"command: `{payload['command']}`", f"started: {payload['started']}", "",
+             "| op | implementation | shape | checkpoints | median ms | p20 | p80 | note |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in payload["results"]:
+        fmt = (lambda v: "" if v is None else f"{v:.3f}")
+        lines.append(f"| {r['op']} | {r['implementation']} | {json.dumps(r.get('shape'))} | {r.get('checkpoints')} | "
+                     f"{fmt(r.get('median_ms'))} | {fmt(r.get('p20_ms'))} | {fmt(r.get('p80_ms'))} | "
+                     f"{r.get('note', '')} |")
+    return "\n".join(lines) + "\n"

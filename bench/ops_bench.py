@@ -1,0 +1,301 @@
+"""Times jaxckpt's op implementations and the peers (FLA, jla, a token-by-token scan) in the same run.
+
+GPU: `python -m bench.ops_bench --impls xla --peers fla jla scan --name ops_xla_h200` (writes
+bench/results/<name>.json and .md, or under $OUT when set). CPU smoke run: `--tiny`.
+Inputs as the anchors (../shared/anchors): q, k L2-normalised bf16, v bf16, g log-decay fp32 (per head for GDN, per
+key channel / 8 for KDA), beta fp32 in (0, 1), an fp32 initial state per row, the final state returned.
+Checkpoint settings per shape: none, one per row (the row's last 512-token boundary) and one every 1024 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np  # noqa: E402
+
+from bench.common import Recorder, jax_time, torch_time  # noqa: E402
+
+DELTA_SHAPES = [(1, 8192, 16), (1, 32768, 16), (8, 4096, 32)]
+VARLEN_MIX = [1024, 2048, 7168, 3072, 512, 9216, 4096, 5632]      # 8 rows, 32768 tokens, H = 16
+SSD_SHAPES = [(8192, 128), (32768, 32)]                           # (T, H) with P = 64, N = 128, G = 1
+TINY_DELTA = [(1, 256, 2), (2, 128, 2)]
+TINY_SSD = [(256, 4)]
+
+
+def checkpoint_lists(lengths, mode):
+    """CSR checkpoints: none, the last 512-token boundary per row, or one every 1024 tokens."""
+    rows = []
+    for length in lengths:
+        if mode == "none":
+            rows.append([])
+        elif mode == "per_row":
+            pos = (length - 1) // 512 * 512
+            rows.append([pos] if pos > 0 else [])
+        else:
+            rows.append(list(range(1024, length, 1024)))
+    ccu = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int32)
+    offsets = np.asarray([o for r in rows for o in r], np.int32)
+    return ccu, offsets
+
+
+def delta_inputs(lengths, H, D, kind, seed=0):
+    rng = np.random.default_rng(seed)
+    T = int(sum(lengths))
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k = rng.standard_normal((T, H, D)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((T, H, D)).astype(np.float32)
+    shape = (T, H) if kind == "gdn" else (T, H, D)
+    g = -np.log1p(np.exp(-rng.standard_normal(shape))).astype(np.float32)
+    if kind == "kda":
+        g /= 8
+    beta = (1 / (1 + np.exp(-rng.standard_normal((T, H))))).astype(np.float32)
+    h0 = (rng.standard_normal((len(lengths), H, D, D)) * 0.1).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return q, k, v, g, beta, h0, cu
+
+
+def bench_ours_delta(rec, kind, impl, lengths, H, D, shape_label, modes):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxckpt import ops
+
+    fn = ops.gated_delta_rule if kind == "gdn" else ops.kda
+    q, k, v, g, beta, h0, cu = delta_inputs(lengths, H, D, kind)
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    args = (bf(q), bf(k), bf(v), jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu))
+    for mode in modes:
+        ccu, offsets = checkpoint_lists(lengths, mode)
+        f = jax.jit(lambda q, k, v, g, beta, h0, cu, ccu, off: fn(
+            q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
+            implementation=impl))
+        try:
+            t = jax_time(f, *args, jnp.asarray(ccu), jnp.asarray(offsets))
+            rec.add(op=kind, implementation=impl, shape=shape_label, rows=list(lengths), checkpoints=mode,
+                    num_checkpoints=int(offsets.size), dtype="bf16", **t)
+        except Exception as error:  # noqa: BLE001 - record the failure and go on
+            traceback.print_exc()
+            rec.add(op=kind, implementation=impl, shape=shape_label, checkpoints=mode, median_ms=None,
+                    note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+
+
+def bench_fla_delta(rec, kind, lengths, H, D, shape_label, batched):
+    import torch
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+
+    fn = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
+    q, k, v, g, beta, h0, cu = delta_inputs(lengths, H, D, kind)
+    t = lambda x, dt=torch.float32: torch.from_numpy(x).to("cuda", dt)  # noqa: E731
+    B = len(lengths)
+    if batched:
+        L = lengths[0]
+        shp = lambda x: x.reshape(B, L, *x.shape[1:])  # noqa: E731
+        args = [t(shp(q), torch.bfloat16), t(shp(k), torch.bfloat16), t(shp(v), torch.bfloat16), t(shp(g)),
+                t(shp(beta))]
+        kwargs = dict(initial_state=t(h0), output_final_state=True)
+    else:
+        args = [t(q, torch.bfloat16)[None], t(k, torch.bfloat16)[None], t(v, torch.bfloat16)[None], t(g)[None],
+                t(beta)[None]]
+        kwargs = dict(initial_state=t(h0), output_final_state=True, cu_seqlens=torch.from_numpy(cu).long().cuda())
+    with torch.inference_mode():
+        rec.add(op=kind, implementation="fla", shape=shape_label, rows=list(lengths), checkpoints="none",
+                dtype="bf16", **torch_time(lambda: fn(*args, **kwargs)))
+        # the vLLM way for kernels that only return final states: one call over head/tail segments, tails rerun
+        ccu, offsets = checkpoint_lists(lengths, "per_row")
+        flat = [a.reshape(1, -1, *a.shape[2:]) for a in args]
+        cu_split, tails, tail_cu, heads = [0], [], [0], []
+        for n, length in enumerate(lengths):
+            start = int(cu[n])
+            offs = offsets[ccu[n]:ccu[n + 1]].tolist()
+            for cut in [*offs, length]:
+                cu_split.append(start + cut)
+            if offs:
+                heads.append(len(cu_split) - 3)
+                tails.append(np.arange(start + offs[-1], start + length))
+                tail_cu.append(tail_cu[-1] + length - offs[-1])
+        cu_split_t = torch.tensor(cu_split, device="cuda", dtype=torch.long)
+        tail_idx = torch.from_numpy(np.concatenate(tails)).cuda()
+        tail_cu_t = torch.tensor(tail_cu, device="cuda", dtype=torch.long)
+        h0_split = torch.zeros(len(cu_split) - 1, *h0.shape[1:], device="cuda")
+
+        def split():
+            o, finals = fn(*flat, initial_state=h0_split, output_final_state=True, cu_seqlens=cu_split_t)
+            ckpt = finals[heads]
+            o2, f2 = fn(*[a[:, tail_idx] for a in flat], initial_state=ckpt, output_final_state=True,
+                        cu_seqlens=tail_cu_t)
+            o[:, tail_idx] = o2
+            return o, f2, ckpt
+        rec.add(op=kind, implementation="fla_split", shape=shape_label, rows=list(lengths), checkpoints="per_row",
+                dtype="bf16", **torch_time(split))
+
+
+def bench_jla_delta(rec, kind, impl, lengths, H, D, shape_label):
+    import jax
+    import jax.numpy as jnp
+    from jla.ops import linear_attention
+
+    if len(set(lengths)) != 1:
+        rec.add(op=kind, implementation=f"jla_{impl}", shape=shape_label, checkpoints="none", median_ms=None,
+                note="jla has no per-row initial states with varlen rows")
+        return
+    q, k, v, g, beta, h0, _ = delta_inputs(lengths, H, D, kind)
+    B, L = len(lengths), lengths[0]
+    shp = lambda x: x.reshape(B, L, *x.shape[1:])  # noqa: E731
+    bf = lambda x: jnp.asarray(shp(x), jnp.bfloat16)  # noqa: E731
+    name = "gated_deltanet" if kind == "gdn" else "kda"
+    f = jax.jit(lambda q, k, v, g, beta, h0: linear_attention(name, q, k, v, g=g, beta=beta, impl=impl,
+                                                              initial_state=h0, output_final_state=True))
+    rec.add(op=kind, implementation=f"jla_{impl}", shape=shape_label, rows=list(lengths), checkpoints="none",
+            dtype="bf16", **jax_time(f, bf(q), bf(k), bf(v), jnp.asarray(shp(g)), jnp.asarray(shp(beta)),
+                                     jnp.asarray(h0)))
+
+
+def bench_scan_gdn(rec, lengths, H, D, shape_label):
+    """The naive JAX choice: a token-by-token lax.scan in fp32."""
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v, g, beta, h0, _ = delta_inputs(lengths, H, D, "gdn")
+
+    @jax.jit
+    def scan(q, k, v, g, beta, h0):
+        def step(S, x):
+            qt, kt, vt, gt, bt = x
+            S = S * jnp.exp(gt)[:, None, None]
+            u = bt[:, None] * (vt - jnp.einsum("hkv,hk->hv", S, kt))
+            S = S + kt[:, :, None] * u[:, None, :]
+            return S, jnp.einsum("hkv,hk->hv", S, qt * D ** -0.5)
+        return jax.lax.scan(step, h0[0], (q, k, v, g, beta))
+
+    rec.add(op="gdn", implementation="lax_scan_fp32", shape=shape_label, rows=list(lengths), checkpoints="none",
+            dtype="fp32", **jax_time(scan, *(jnp.asarray(a) for a in (q, k, v, g, beta, h0)), reps=5))
+
+
+def ssd_inputs(T, H, N, P, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, H, P)).astype(np.float32)
+    dt = (rng.standard_normal((T, H)) - 2).astype(np.float32)
+    A = -np.exp(rng.uniform(0, 2.7, (H,))).astype(np.float32)
+    B = (rng.standard_normal((T, 1, N)) * 0.1).astype(np.float32)
+    C = (rng.standard_normal((T, 1, N)) * 0.1).astype(np.float32)
+    h0 = (rng.standard_normal((1, H, P, N)) * 0.1).astype(np.float32)
+    return x, dt, A, B, C, h0
+
+
+def bench_ours_ssd(rec, impl, T, H, modes, N=128, P=64):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxckpt import ops
+
+    x, dt, A, B, C, h0 = ssd_inputs(T, H, N, P)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    cu = jnp.asarray([0, T], jnp.int32)
+    for mode in modes:
+        ccu, offsets = checkpoint_lists([T], mode)
+        f = jax.jit(lambda x, dt, A, B, C, h0, cu, ccu, off: ops.ssd(
+            x, dt, A, B, C, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
+            implementation=impl))
+        try:
+            t = jax_time(f, bf(x), bf(dt), jnp.asarray(A), bf(B), bf(C), jnp.asarray(h0), cu, jnp.asarray(ccu),
+                         jnp.asarray(offsets))
+            rec.add(op="ssd", implementation=impl, shape={"T": T, "H": H, "P": P, "N": N, "G": 1}, checkpoints=mode,
+                    num_checkpoints=int(offsets.size), dtype="bf16", **t)
+        except Exception as error:  # noqa: BLE001
+            traceback.print_exc()
+            rec.add(op="ssd", implementation=impl, shape={"T": T, "H": H}, checkpoints=mode, median_ms=None,
+                    note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+
+
+def bench_peers_ssd(rec, peers, T, H, N=128, P=64):
+    """SSD's core as simple GLA (q = C, k = B, v = dt * x, g = dt * A), as the anchors measured it."""
+    x, dt, A, B, C, h0 = ssd_inputs(T, H, N, P)
+    delta = np.log1p(np.exp(dt))
+    v = (x * delta[..., None]).astype(np.float32)
+    g = (delta * A).astype(np.float32)
+    Cq = np.broadcast_to(C, (T, H, N)).copy()
+    Bk = np.broadcast_to(B, (T, H, N)).copy()
+    h0_kv = np.swapaxes(h0, -1, -2).copy()
+    shape = {"T": T, "H": H, "P": P, "N": N, "G": 1}
+    if "fla" in peers:
+        import torch
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        t = lambda a, d=torch.float32: torch.from_numpy(a).to("cuda", d)  # noqa: E731
+        args = (t(Cq, torch.bfloat16)[None], t(Bk, torch.bfloat16)[None], t(v, torch.bfloat16)[None], t(g)[None])
+        with torch.inference_mode():
+            rec.add(op="ssd", implementation="fla_simple_gla", shape=shape, checkpoints="none", dtype="bf16",
+                    **torch_time(lambda: chunk_simple_gla(*args, scale=1.0, initial_state=t(h0_kv),
+                                                          output_final_state=True)))
+    if "jla" in peers:
+        import jax
+        import jax.numpy as jnp
+        from jla.ops import linear_attention
+
+        bf = lambda a: jnp.asarray(a[None], jnp.bfloat16)  # noqa: E731
+        f = jax.jit(lambda q, k, v, g, h0: linear_attention("simple_gla", q, k, v, g=g, impl="mosaic_gpu", scale=1.0,
+                                                            initial_state=h0, output_final_state=True))
+        rec.add(op="ssd", implementation="jla_mosaic_gpu_simple_gla", shape=shape, checkpoints="none", dtype="bf16",
+                **jax_time(f, bf(Cq), bf(Bk), bf(v), jnp.asarray(g[None]), jnp.asarray(h0_kv)))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ops", nargs="+", default=["gdn", "kda", "ssd"])
+    parser.add_argument("--impls", nargs="+", default=["xla"])
+    parser.add_argument("--peers", nargs="*", default=[], help="fla jla jla_chunked scan")
+    parser.add_argument("--modes", nargs="+", default=["none", "per_row", "every_1024"])
+    parser.add_argument("--name", default="ops")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny shapes")
+    parser.add_argument("--no-varlen", action="store_true")
+    args = parser.parse_args(argv)
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    rec = Recorder(args.name, out_dir)
+    D = 16 if args.tiny else 128
+    shapes = [(B, T, H) for (B, T, H) in (TINY_DELTA if args.tiny else DELTA_SHAPES)]
+    cases = [([T] * B, H, {"B": B, "T": T, "H": H, "K": D, "V": D}, True) for B, T, H in shapes]
+    if not args.no_varlen and not args.tiny:
+        cases.append((VARLEN_MIX, 16, {"varlen": "8 rows, 32768 tokens", "H": 16, "K": D, "V": D}, False))
+    for kind in [op for op in args.ops if op in ("gdn", "kda")]:
+        for lengths, H, label, batched in cases:
+            print(f"== {kind} {label}", flush=True)
+            for impl in args.impls:
+                bench_ours_delta(rec, kind, impl, lengths, H, D, label, args.modes)
+            for peer, runner in (("fla", lambda: bench_fla_delta(rec, kind, lengths, H, D, label, batched)),
+                                 ("jla", lambda: bench_jla_delta(rec, kind, "mosaic_gpu", lengths, H, D, label)),
+                                 ("jla_chunked", lambda: bench_jla_delta(rec, kind, "chunked", lengths, H, D, label)),
+                                 ("scan", lambda: bench_scan_gdn(rec, lengths, H, D, label)
+                                  if kind == "gdn" and lengths == [8192] or args.tiny and kind == "gdn" else None)):
+                if peer in args.peers:
+                    try:
+                        runner()
+                    except Exception as error:  # noqa: BLE001
+                        traceback.print_exc()
+                        rec.add(op=kind, implementation=peer, shape=label, checkpoints="none", median_ms=None,
+                                note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+            rec.write()
+    if "ssd" in args.ops:
+        for T, H in (TINY_SSD if args.tiny else SSD_SHAPES):
+            print(f"== ssd T={T} H={H}", flush=True)
+            for impl in args.impls:
+                bench_ours_ssd(rec, impl, T, H, args.modes, N=16 if args.tiny else 128, P=8 if args.tiny else 64)
+            try:
+                bench_peers_ssd(rec, args.peers, T, H)
+            except Exception as error:  # noqa: BLE001
+                traceback.print_exc()
+                rec.add(op="ssd", implementation="peers", shape={"T": T, "H": H}, checkpoints="none",
+                        median_ms=None, note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+            rec.write()
+    print(f"wrote {rec.write()}")
+
+
+if __name__ == "__main__":
+    main()
