@@ -1,0 +1,471 @@
+"""Chunked gated delta rule (GDN scalar decay, KDA per-key-channel decay) as Pallas kernels for the Triton lowering,
+exporting checkpoint states from inside the sequential pass.
+
+The math (WY/UT form, in-chunk checkpoint formula) is in `jaxckpt/ops/gdn/README.md` and `jaxckpt/ops/kda/README.md`.
+Four launches, FLA-like (`chunk_gated_delta_rule` / `chunk_kda`):
+
+1. `_cumsum_kernel`, grid (chunk, value head): chunk-local inclusive cumulative log decay G, written chunk-major
+   [HV, NC, C(, K)] in fp32. A separate pass because every later kernel reads sub-tiles and single rows of G, and
+   register tiles cannot be sliced in the Triton lowering (no `slice` rule).
+2. `_intra_kernel`, grid (chunk, value head): A = strictly-lower beta-scaled key scores, T = (I + A)^-1,
+   W = T (beta exp(G) K), U = T (beta V), all on 16-row sub-blocks (static loops over C / 16 <= 4 blocks, so no
+   tile is ever sliced or concatenated): T's diagonal 16x16 blocks by forward substitution (15 masked row updates),
+   off-diagonal blocks by the block merge T_IJ = -T_II sum_{J<=k<I} A_Ik T_kJ. KDA's off-diagonal score blocks use
+   the reference-row factorisation exp(G_i - G_r) exp(G_r - G_j) with r the block's first row (both factors <= 1,
+   one matmul); its diagonal blocks are exact, one key column per step of a 16-step loop (pairwise exps, as FLA's
+   default "token-parallel" path; no bounded-gate assumption).
+3. `_state_kernel`, grid (row, value head, V block): S [K, BV] fp32 carried through a loop over the row's chunks
+   (count read from the chunk table), writes the chunk-entry state h and v_new = U - W S, then
+   S <- exp(G_last) S + (K exp(G_last - G))^T v_new. At each chunk holding checkpoints (CSR range per chunk), the
+   same launch writes exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T in fp32 (r = 0 gives S exactly);
+   the carried state never depends on them, so outputs and final states are bitwise unchanged by checkpoints.
+4. `_output_kernel`, grid (chunk, value head, V block): O = scale [(Q exp(G)) h + (tril(Q K^T) exp(G_i - G_j)) v_new];
+   KDA builds the query scores per 16-row block as in (2), inclusive diagonal.
+
+Varlen rows and checkpoints come from `jaxckpt.plan.layout.chunk_layout(..., xp=jnp)` (traced metadata, one compile
+per shape), passed as ordinary int32 refs: the Triton lowering has no scalar prefetch, so scalars are read in-kernel
+and packed token tiles are loaded with `pl.ds(start, static size)` and row masks (other=0, so a padded row is a
+no-op of the recurrence: k = v = beta = g = 0). Intermediates (W, U, v_new, h) live in a padded chunk-major layout
+[HV, NC, C | K, ...], so those loads are unmasked and every tile is a power of two.
+
+Precision. fp32 inputs: every dot at Precision.HIGHEST (IEEE fp32; interpret mode on CPU computes in fp32 anyway).
+16-bit inputs: intermediates W, U, v_new, h are stored in the input dtype (as FLA), the bulk products (K K^T,
+Q K^T, Q h, A v_new) are 16-bit x 16-bit dots with fp32 accumulation, and the accuracy-critical ones (solve merges,
+W, U, the state update and the checkpoint export) run on fp32 operands at default precision, i.e. TF32 on the GPU.
+The carried state, final and checkpoint states are fp32 throughout.
+
+The log decays g must be <= 0 (every gate formula gives that): the factorisations rely on exp(G_i - G_j) <= 1 for
+j <= i; the masked exponents are set to -inf before exp, never exponentiated unmasked.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from jaxckpt.plan.layout import chunk_layout
+
+CHUNK_SIZES = (16, 32, 64)
+SUB = 16
+MAX_HEAD_DIM = 256
+L2NORM_EPS = 1e-6
+TUNING_KEYS = ("num_warps", "num_stages", "block_v", "intra_num_warps", "output_block_v")
+_HIGHEST = jax.lax.Precision.HIGHEST
+_F32 = jnp.float32
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> str | None:
+    """None when this backend can run the call, else the reason (so the caller can fall back to XLA)."""
+    unknown = sorted(set(tuning) - set(TUNING_KEYS))
+    if unknown:
+        return f"tuning: unknown options {unknown}, expected some of {TUNING_KEYS}"
+    if chunk_size not in CHUNK_SIZES:
+        return f"chunk_size: must be one of {CHUNK_SIZES}, got {chunk_size!r}"
+    if q.ndim != 3 or v.ndim != 3:
+        return "q, v: expected [T, H, K] and [T, HV, V]"
+    head_k, head_v = q.shape[-1], v.shape[-1]
+    for name, size in (("K", head_k), ("V", head_v)):
+        if not _is_pow2(size) or not SUB <= size <= MAX_HEAD_DIM:
+            return f"{name}: must be a power of two in [{SUB}, {MAX_HEAD_DIM}] for Triton tiles, got {size}"
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+            return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
+    for key in ("block_v", "output_block_v"):
+        bv = tuning.get(key)
+        if bv is not None and (not _is_pow2(bv) or not SUB <= bv <= head_v):
+            return f"tuning: {key} must be a power of two in [{SUB}, V={head_v}], got {bv!r}"
+    if not interpret and jax.default_backend() != "gpu":
+        return f"backend: the Triton kernels need a GPU (or interpret=True), got {jax.default_backend()!r}"
+    return None
+
+
+class _Dots:
+    """Dot flavours: `exact` for the accuracy-critical products, `bulk` for the large ones (see module docstring)."""
+
+    def __init__(self, io_dtype):
+        self.fp32 = io_dtype == _F32
+        self.io_dtype = io_dtype
+
+    def _dot(self, a, b, dims, dtype, precision):
+        return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (dims, ((), ())), precision=precision,
+                                   preferred_element_type=_F32)
+
+    def exact(self, a, b, dims=((1,), (0,))):
+        return self._dot(a, b, dims, _F32, _HIGHEST if self.fp32 else None)
+
+    def bulk(self, a, b, dims=((1,), (0,))):
+        if self.fp32:
+            return self._dot(a, b, dims, _F32, _HIGHEST)
+        return self._dot(a, b, dims, self.io_dtype, None)
+
+
+_NT = ((1,), (1,))  # a @ b^T
+_TN = ((0,), (0,))  # a^T @ b
+
+
+def _row_mask(rows, length, shape):
+    return jnp.broadcast_to(rows.reshape(rows.shape + (1,) * (len(shape) - 1)) < length, shape)
+
+
+def _load_tokens(ref_at, rows, length, shape):
+    """Masked load of token rows [start, start + rows.size) of a packed array; rows past `length` read 0."""
+    return plt.load(ref_at, mask=_row_mask(rows, length, shape), other=0).astype(_F32)
+
+
+def _pick_row(x, rows, r):
+    """Row r of a register tile x [R, ...] (zeros when r is outside): tiles cannot be indexed dynamically."""
+    sel = (rows == r).reshape(rows.shape + (1,) * (x.ndim - 1))
+    return jnp.sum(jnp.where(sel, x, 0.0), axis=0)
+
+
+def _decay(G_i, G_j, mask=None, *, channel):
+    """exp(G_i - G_j) for the pairs selected by mask (0 elsewhere, masked before exp).
+
+    channel=False: G_i [R], G_j [S] -> [R, S] (scalar decays, all pairs). channel=True: G_i and G_j broadcast
+    against each other per key channel (e.g. [R, K] and [1, K]).
+    """
+    diff = G_i - G_j if channel else G_i[:, None] - G_j[None, :]
+    if mask is not None:
+        diff = jnp.where(mask, diff, -jnp.inf)
+    return jnp.exp(diff)
+
+
+def _cumsum_kernel(start_ref, len_ref, g_ref, G_ref, *, chunk, channel):
+    c, h = pl.program_id(0), pl.program_id(1)
+    start, length = start_ref[c], len_ref[c]
+    rows = jnp.arange(chunk, dtype=jnp.int32)
+    if channel:
+        g = _load_tokens(g_ref.at[pl.ds(start, chunk), h, :], rows, length, G_ref.shape)
+    else:
+        g = _load_tokens(g_ref.at[pl.ds(start, chunk), h], rows, length, G_ref.shape)
+    G_ref[...] = jnp.cumsum(g, axis=0)
+
+
+def _forward_substitution(A):
+    """(I + A)^-1 of a strictly lower-triangular [SUB, SUB] tile, row by row: T_i = e_i - A_i,<i T_<i."""
+    rows = jnp.arange(SUB, dtype=jnp.int32)
+    eye = (rows[:, None] == rows[None, :]).astype(_F32)
+
+    def step(i, T):
+        a_i = _pick_row(A, rows, i)  # [SUB] row i of A, zero from column i on
+        new = (rows == i).astype(_F32) - jnp.sum(a_i[:, None] * T, axis=0)
+        return jnp.where(rows[:, None] == i, new[None, :], T)
+
+    return jax.lax.fori_loop(1, SUB, step, eye)
+
+
+def _key_row(k_ref, base, hk, j):
+    return k_ref.at[base + j, hk, :]
+
+
+def _diag_scores(a_I, G_I, k_row_at, G_ref, base, length, *, inclusive, width=SUB, col_offset=0):
+    """Exact per-channel scores of one diagonal block: sum_c a_ic k_jc exp(G_ic - G_jc) for j <(=) i in the block.
+
+    a_I, G_I [SUB, K] are rows base.. of the chunk; key row j is read from memory (row base + j) each step. The
+    result is a [SUB, width] tile holding the block at columns [col_offset, col_offset + SUB), zeros elsewhere.
+    """
+    rows = jnp.arange(SUB, dtype=jnp.int32)
+    cols = jnp.arange(width, dtype=jnp.int32)
+    head_k = a_I.shape[1]
+
+    def step(j, acc):
+        valid = jnp.broadcast_to(base + j < length, (head_k,))
+        k_j = plt.load(k_row_at(j), mask=valid, other=0).astype(_F32)  # [K]
+        G_j = G_ref[base + j, :]  # [K]
+        keep = (rows >= j) if inclusive else (rows > j)
+        col = jnp.sum(a_I * k_j[None, :] * _decay(G_I, G_j[None, :], keep[:, None], channel=True), axis=1)
+        return jnp.where(cols[None, :] == col_offset + j, col[:, None], acc)
+
+    return jax.lax.fori_loop(0, SUB, step, jnp.zeros((SUB, width), _F32))
+
+
+def _intra_kernel(start_ref, len_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, *, chunk, group, channel,
+                  dots):
+    c, h = pl.program_id(0), pl.program_id(1)
+    hk = h // group
+    start, length = start_ref[c], len_ref[c]
+    head_k, head_v = k_ref.shape[-1], v_ref.shape[-1]
+    nb = chunk // SUB
+    sub_rows = jnp.arange(SUB, dtype=jnp.int32)
+    k_blk, kb_blk, vb_blk, b_blk, G_blk = [], [], [], [], []
+    for J in range(nb):
+        rows = J * SUB + sub_rows
+        k_J = plt.load(k_ref.at[pl.ds(start + J * SUB, SUB), hk, :], mask=_row_mask(rows, length, (SUB, head_k)),
+                       other=0)  # [SUB, K] input dtype
+        v_J = _load_tokens(v_ref.at[pl.ds(start + J * SUB, SUB), h, :], rows, length, (SUB, head_v))
+        b_J = _load_tokens(beta_ref.at[pl.ds(start + J * SUB, SUB), h], rows, length, (SUB,))
+        G_J = G_ref[pl.ds(J * SUB, SUB), :] if channel else G_ref[pl.ds(J * SUB, SUB)]
+        gamma = jnp.exp(G_J) if channel else jnp.exp(G_J)[:, None]
+        k_blk.append(k_J)
+        b_blk.append(b_J)
+        G_blk.append(G_J)
+        kb_blk.append(b_J[:, None] * gamma * k_J.astype(_F32))
+        vb_blk.append(b_J[:, None] * v_J)
+
+    A = {}
+    for I in range(nb):
+        for J in range(I + 1):
+            if channel and I > J:
+                G_r = G_ref[I * SUB, :]  # [K] reference row: the first row of block I
+                a = k_blk[I].astype(_F32) * jnp.exp(G_blk[I] - G_r[None, :])
+                b = k_blk[J].astype(_F32) * jnp.exp(G_r[None, :] - G_blk[J])
+                scores = dots.exact(a, b, _NT)
+            elif channel:
+                row_at = functools.partial(_key_row, k_ref, start + I * SUB, hk)
+                scores = _diag_scores(k_blk[I].astype(_F32), G_blk[I], row_at, G_ref, I * SUB, length,
+                                      inclusive=False)
+            else:
+                mask = None if I > J else sub_rows[:, None] > sub_rows[None, :]
+                scores = dots.bulk(k_blk[I], k_blk[J], _NT) * _decay(G_blk[I], G_blk[J], mask, channel=False)
+            A[I, J] = b_blk[I][:, None] * scores
+
+    T = {}
+    for I in range(nb):
+        T[I, I] = _forward_substitution(A[I, I])
+        for J in range(I):
+            acc = sum(dots.exact(A[I, m], T[m, J]) for m in range(J, I))
+            T[I, J] = -dots.exact(T[I, I], acc)
+        w_I = sum(dots.exact(T[I, J], kb_blk[J]) for J in range(I + 1))
+        u_I = sum(dots.exact(T[I, J], vb_blk[J]) for J in range(I + 1))
+        w_ref[pl.ds(I * SUB, SUB), :] = w_I.astype(w_ref.dtype)
+        u_ref[pl.ds(I * SUB, SUB), :] = u_I.astype(u_ref.dtype)
+
+
+def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkpoints, dots):
+    (first_ref, count_ref, start_ref, len_ref, ck_start_ref, ck_count_ref, ck_pos_ref, k_ref, G_ref, w_ref, u_ref,
+     *rest) = refs
+    init_ref = rest.pop(0) if has_initial else None
+    h_ref, vnew_ref, final_ref, ckpt_ref = rest
+    n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
+    head_k = k_ref.shape[-1]
+    cols = pl.ds(j * block_v, block_v)
+    rows = jnp.arange(chunk, dtype=jnp.int32)
+    if has_initial:
+        S0 = init_ref[n, h, :, cols].astype(_F32)
+    else:
+        S0 = jnp.zeros((head_k, block_v), _F32)
+    first = first_ref[n]
+
+    def chunk_step(i, S):
+        c = first + i
+        start, length = start_ref[c], len_ref[c]
+        h_ref[h, c, :, cols] = S.astype(h_ref.dtype)
+        v_new = u_ref[h, c, :, cols].astype(_F32) - dots.exact(w_ref[h, c], S)  # [C, BV]
+        vnew_ref[h, c, :, cols] = v_new.astype(vnew_ref.dtype)
+        k_c = _load_tokens(k_ref.at[pl.ds(start, chunk), hk, :], rows, length, (chunk, head_k))
+        if channel:
+            G_c = G_ref[h, c]  # [C, K]
+            G_last = G_ref[h, c, chunk - 1, :]  # [K]; padded rows have g = 0, so this is the last real token's
+            k_dec = k_c * jnp.exp(G_last[None, :] - G_c)
+            decay_last = jnp.exp(G_last)[:, None]
+        else:
+            G_c = G_ref[h, c]  # [C]
+            G_last = G_ref[h, c, chunk - 1]
+            k_dec = k_c * jnp.exp(G_last - G_c)[:, None]
+            decay_last = jnp.exp(G_last)
+
+        if has_checkpoints:
+            def checkpoint_step(m, carry):
+                r = ck_pos_ref[m]
+                G_r = _pick_row(G_c, rows, r - 1)  # r = 0: G_r = 0 and no rows below, the state is S itself
+                before = (rows < r)[:, None] if channel else rows < r
+                if channel:
+                    k_r = k_c * _decay(G_r[None, :], G_c, before, channel=True)
+                    state = jnp.exp(G_r)[:, None] * S
+                else:
+                    k_r = k_c * jnp.exp(jnp.where(before, G_r - G_c, -jnp.inf))[:, None]
+                    state = jnp.exp(G_r) * S
+                ckpt_ref[m, h, :, cols] = state + dots.exact(k_r, v_new, _TN)
+                return carry
+
+            base = ck_start_ref[c]
+            jax.lax.fori_loop(base, base + ck_count_ref[c], checkpoint_step, 0)
+        return decay_last * S + dots.exact(k_dec, v_new, _TN)
+
+    S = jax.lax.fori_loop(0, count_ref[n], chunk_step, S0)
+    final_ref[n, h, :, cols] = S
+
+
+def _output_kernel(start_ref, len_ref, q_ref, k_ref, G_ref, h_ref, vnew_ref, o_ref, *, chunk, group, channel,
+                   block_v, scale, dots):
+    c, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
+    start, length = start_ref[c], len_ref[c]
+    head_k = q_ref.shape[-1]
+    cols = pl.ds(j * block_v, block_v)
+    state = h_ref[...]  # [K, BV]
+    v_new = vnew_ref[...]  # [C, BV]
+
+    @pl.when(length > 0)
+    def _():
+        if not channel:
+            rows = jnp.arange(chunk, dtype=jnp.int32)
+            mask = _row_mask(rows, length, (chunk, head_k))
+            q = plt.load(q_ref.at[pl.ds(start, chunk), hk, :], mask=mask, other=0)
+            k = plt.load(k_ref.at[pl.ds(start, chunk), hk, :], mask=mask, other=0)
+            G = G_ref[...]  # [C]
+            scores = dots.bulk(q, k, _NT) * _decay(G, G, rows[:, None] >= rows[None, :], channel=False)
+            o = dots.bulk(q.astype(_F32) * jnp.exp(G)[:, None], state) + dots.bulk(scores, v_new)
+            plt.store(o_ref.at[pl.ds(start, chunk), h, cols], (scale * o).astype(o_ref.dtype),
+                      mask=_row_mask(rows, length, (chunk, block_v)))
+            return
+        all_rows = jnp.arange(chunk, dtype=jnp.int32)
+        sub_rows = jnp.arange(SUB, dtype=jnp.int32)
+        k_all = _load_tokens(k_ref.at[pl.ds(start, chunk), hk, :], all_rows, length, (chunk, head_k))
+        G_all = G_ref[...]  # [C, K]
+        for I in range(chunk // SUB):
+            rows = I * SUB + sub_rows
+            q_I = _load_tokens(q_ref.at[pl.ds(start + I * SUB, SUB), hk, :], rows, length, (SUB, head_k))
+            G_I = G_ref[pl.ds(I * SUB, SUB), :]
+            row_at = functools.partial(_key_row, k_ref, start + I * SUB, hk)
+            scores = _diag_scores(q_I, G_I, row_at, G_ref, I * SUB, length, inclusive=True, width=chunk,
+                                  col_offset=I * SUB)  # [SUB, C]
+            if I > 0:
+                G_r = G_ref[I * SUB, :]
+                a = q_I * jnp.exp(G_I - G_r[None, :])
+                b = k_all * _decay(G_r[None, :], G_all, (all_rows < I * SUB)[:, None], channel=True)
+                scores = scores + dots.exact(a, b, _NT)
+            o_I = dots.bulk(q_I * jnp.exp(G_I), state) + dots.bulk(scores, v_new)
+            plt.store(o_ref.at[pl.ds(start + I * SUB, SUB), h, cols], (scale * o_I).astype(o_ref.dtype),
+                      mask=_row_mask(rows, length, (SUB, block_v)))
+
+
+def _l2norm(x):
+    x32 = x.astype(_F32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
+
+
+def _checkpoint_ranges(lay, num_chunks):
+    """Per chunk, the CSR range [start, start + count) of checkpoints it holds (valid entries are chunk-sorted)."""
+    ck_chunk = jnp.where(lay.checkpoint_valid, lay.checkpoint_chunk, num_chunks)
+    ids = jnp.arange(num_chunks, dtype=jnp.int32)
+    lo = jnp.searchsorted(ck_chunk, ids, side="left").astype(jnp.int32)
+    hi = jnp.searchsorted(ck_chunk, ids, side="right").astype(jnp.int32)
+    return lo, hi - lo
+
+
+def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm=False, initial_state=None,
+               cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
+               interpret=False, num_warps=4, num_stages=2, block_v=None, intra_num_warps=4, output_block_v=None):
+    """The gated delta rule over packed varlen rows with checkpoint states, as four Pallas Triton launches.
+
+    q, k                # [T, H, K]
+    v                   # [T, HV, V]
+    g                   # [T, HV] (GDN) or [T, HV, K] (KDA, `per_channel_decay`): log decay <= 0, any float dtype
+    beta                # [T, HV]
+    initial_state       # [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk"); None = zeros
+    cu_seqlens          # i32[N + 1]; None = one row over all T tokens
+    checkpoint_cu       # i32[N + 1] with checkpoint_offsets i32[M]; both None = no checkpoints
+    Inputs are checked by the op wrappers; metadata values are trusted. `scale` is a Python number (None: K^-1/2).
+    Tuning: num_warps / num_stages (state and output kernels), intra_num_warps, block_v (state pass V tile,
+    default min(V, 64)), output_block_v (output kernel V tile, default min(V, 64) for GDN, V for KDA, whose query
+    scores are rebuilt per V tile).
+
+    Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
+    checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padded checkpoint entries are unspecified.
+    """
+    num_tokens, num_heads, head_k = q.shape
+    num_v_heads, head_v = v.shape[1:]
+    group = num_v_heads // num_heads
+    chunk = chunk_size
+    channel = per_channel_decay
+    out_dtype = v.dtype
+    if scale is None:
+        scale = head_k ** -0.5
+    io_dtype = jnp.promote_types(k.dtype, v.dtype)
+    io_dtype = _F32 if jnp.dtype(io_dtype).itemsize >= 4 else jnp.dtype(io_dtype)
+    dots = _Dots(io_dtype)
+    block_v = block_v or min(head_v, 64)
+    output_block_v = output_block_v or (head_v if channel else min(head_v, 64))
+
+    if cu_seqlens is None:
+        cu_seqlens = jnp.array([0, num_tokens], jnp.int32)
+    num_rows = cu_seqlens.shape[0] - 1
+    if checkpoint_cu is None:
+        checkpoint_cu = jnp.zeros(num_rows + 1, jnp.int32)
+        checkpoint_offsets = jnp.zeros(0, jnp.int32)
+    num_ckpt = checkpoint_offsets.shape[0]
+
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q, k = q.astype(io_dtype), k.astype(io_dtype)
+    g = g.astype(_F32)
+    if num_tokens == 0:
+        # loads need a source row; a padding token past cu_seqlens[-1] = 0 is never read unmasked
+        q, k, v, g, beta = (jnp.zeros((1, *x.shape[1:]), x.dtype) for x in (q, k, v, g, beta))
+    lay = chunk_layout(cu_seqlens, checkpoint_cu, checkpoint_offsets, chunk_size=chunk, num_tokens=q.shape[0],
+                       xp=jnp)
+    num_chunks = lay.chunk_len.shape[0]
+    ck_start, ck_count = _checkpoint_ranges(lay, num_chunks)
+    ck_pos = jnp.concatenate([lay.checkpoint_pos, jnp.zeros(1, jnp.int32)])  # never empty
+
+    full = pl.BlockSpec()
+    g_tail = (head_k,) if channel else ()
+    G_shape = (num_v_heads, num_chunks, chunk, *g_tail)
+    G_block = pl.BlockSpec((None, None, chunk, *g_tail), lambda c, h: (h, c, 0, *(0,) * len(g_tail)))
+    params = functools.partial(plt.CompilerParams, num_stages=num_stages)
+
+    G = pl.pallas_call(
+        functools.partial(_cumsum_kernel, chunk=chunk, channel=channel),
+        out_shape=jax.ShapeDtypeStruct(G_shape, _F32), grid=(num_chunks, num_v_heads),
+        in_specs=[full, full, full], out_specs=G_block,
+        compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_gate_cumsum",
+    )(lay.chunk_start, lay.chunk_len, g)
+
+    chunk_block = lambda width: pl.BlockSpec((None, None, chunk, width), lambda c, h: (h, c, 0, 0))
+    w, u = pl.pallas_call(
+        functools.partial(_intra_kernel, chunk=chunk, group=group, channel=channel, dots=dots),
+        out_shape=(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, head_k), io_dtype),
+                   jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, head_v), io_dtype)),
+        grid=(num_chunks, num_v_heads), in_specs=[full, full, full, full, full, G_block],
+        out_specs=(chunk_block(head_k), chunk_block(head_v)),
+        compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_intra",
+    )(lay.chunk_start, lay.chunk_len, k, v, beta, G)
+
+    state_inputs = [lay.row_first_chunk, lay.row_num_chunks, lay.chunk_start, lay.chunk_len, ck_start, ck_count,
+                    ck_pos, k, G, w, u]
+    if initial_state is not None:
+        init = initial_state.astype(_F32)
+        state_inputs.append(init.swapaxes(-1, -2) if state_layout == "vk" else init)
+    kv = (head_k, head_v)
+    h_states, v_new, final_state, checkpoint_states = pl.pallas_call(
+        functools.partial(_state_kernel, chunk=chunk, group=group, channel=channel, block_v=block_v,
+                          has_initial=initial_state is not None, has_checkpoints=num_ckpt > 0, dots=dots),
+        out_shape=(jax.ShapeDtypeStruct((num_v_heads, num_chunks, *kv), io_dtype),
+                   jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, head_v), io_dtype),
+                   jax.ShapeDtypeStruct((num_rows, num_v_heads, *kv), _F32),
+                   jax.ShapeDtypeStruct((max(num_ckpt, 1), num_v_heads, *kv), _F32)),
+        grid=(num_rows, num_v_heads, head_v // block_v), in_specs=[full] * len(state_inputs),
+        out_specs=(full, full, full, full),
+        compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_state",
+    )(*state_inputs)
+
+    bv = output_block_v
+    o = pl.pallas_call(
+        functools.partial(_output_kernel, chunk=chunk, group=group, channel=channel, block_v=bv, scale=float(scale),
+                          dots=dots),
+        out_shape=jax.ShapeDtypeStruct((q.shape[0], num_v_heads, head_v), out_dtype),
+        grid=(num_chunks, num_v_heads, head_v // bv),
+        in_specs=[full, full, full, full,
+                  pl.BlockSpec((None, None, chunk, *g_tail), lambda c, h, j: (h, c, 0, *(0,) * len(g_tail))),
+                  pl.BlockSpec((None, None, head_k, bv), lambda c, h, j: (h, c, 0, j)),
+                  pl.BlockSpec((None, None, chunk, bv), lambda c, h, j: (h, c, 0, j))],
+        out_specs=full,
+        compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_output",
+    )(lay.chunk_start, lay.chunk_len, q, k, G, h_states, v_new)
+
+    # tokens past cu_seqlens[-1] and padded CSR entries are never written: zero them rather than leak garbage
+    o = jnp.where(lay.token_valid[:, None, None], o, 0)[:num_tokens]
+    checkpoint_states = jnp.where(lay.checkpoint_valid[:, None, None, None], checkpoint_states[:num_ckpt], 0)
+    if state_layout == "vk":
+        final_state, checkpoint_states = final_state.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
+    return o, final_state, checkpoint_states

@@ -1,0 +1,141 @@
+"""The Pallas Triton GDN and KDA kernels, run in interpret mode on CPU, against the float64 token-by-token references;
+checkpoints leave outputs and final states bitwise unchanged; unsupported calls name their reason.
+
+Interpret mode evaluates every dot in fp32 (TF32 does not apply), so fp32 inputs land at rel-RMS ~1e-7 against the
+float64 references; FP32_TOL leaves two orders of magnitude of room.
+"""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxckpt.ops.gdn import pallas_triton as gdn_pallas
+from jaxckpt.ops.gdn import reference as gdn_reference
+from jaxckpt.ops.kda import pallas_triton as kda_pallas
+from jaxckpt.ops.kda import reference as kda_reference
+
+pytestmark = pytest.mark.interpret
+
+FP32_TOL = 1e-5
+BF16_TOL = 1e-2
+
+# rows of lengths 0, 1, 36, 0, 83 and 10 padding tokens; checkpoints at 1, len - 1, a chunk boundary (64) and
+# inside chunks, then two padded CSR entries
+CU_SEQLENS = np.array([0, 0, 1, 37, 37, 120], np.int32)
+NUM_TOKENS = 130
+CHECKPOINT_CU = np.array([0, 0, 0, 3, 3, 6], np.int32)
+CHECKPOINT_OFFSETS = np.array([1, 16, 35, 1, 64, 82, 0, 0], np.int32)
+ROWS_WITH_STATE = (0, 2, 4)
+
+
+def rel_rms(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
+
+
+def make_inputs(rng, num_tokens, num_heads, num_v_heads, head_k, head_v, *, per_channel):
+    g_shape = (num_tokens, num_v_heads, head_k) if per_channel else (num_tokens, num_v_heads)
+    # mostly mild decays with a few strong ones: exp(G_i - G_j) above the diagonal would overflow unless masked first
+    g = -rng.exponential(0.3, size=g_shape) - np.where(rng.random(g_shape) < 0.05, 4.0, 0.0)
+    return dict(q=rng.normal(size=(num_tokens, num_heads, head_k)).astype(np.float32),
+                k=rng.normal(size=(num_tokens, num_heads, head_k)).astype(np.float32),
+                v=rng.normal(size=(num_tokens, num_v_heads, head_v)).astype(np.float32),
+                g=g.astype(np.float32),
+                beta=rng.uniform(0.05, 0.95, size=(num_tokens, num_v_heads)).astype(np.float32))
+
+
+def make_initial_state(rng, num_v_heads, head_k, head_v, layout):
+    num_rows = CU_SEQLENS.size - 1
+    shape = (num_rows, num_v_heads, head_k, head_v) if layout == "kv" else (num_rows, num_v_heads, head_v, head_k)
+    state = rng.normal(size=shape).astype(np.float32)
+    state[[n for n in range(num_rows) if n not in ROWS_WITH_STATE]] = 0.0
+    return state
+
+
+def varlen_options(initial_state, layout):
+    return dict(initial_state=initial_state, cu_seqlens=CU_SEQLENS, checkpoint_cu=CHECKPOINT_CU,
+                checkpoint_offsets=CHECKPOINT_OFFSETS, state_layout=layout)
+
+
+def run(op, inputs, **options):
+    arrays = {name: jnp.asarray(x) for name, x in inputs.items()}
+    options = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
+    return [np.asarray(x) for x in op(**arrays, **options, interpret=True)]
+
+
+def assert_matches(actual, expected, tol):
+    for name, a, e in zip(("o", "final_state", "checkpoint_states"), actual, expected):
+        assert a.shape == e.shape, name
+        assert not np.isnan(a).any(), name
+        assert rel_rms(a, e) <= tol, (name, rel_rms(a, e))
+
+
+@pytest.mark.parametrize("chunk_size, heads, head_k, head_v, layout", [
+    (16, (1, 2), 16, 32, "kv"),
+    (64, (2, 4), 32, 16, "vk"),
+])
+def test_gdn_matches_reference(chunk_size, heads, head_k, head_v, layout):
+    rng = np.random.default_rng(11 + chunk_size)
+    inputs = make_inputs(rng, NUM_TOKENS, *heads, head_k, head_v, per_channel=False)
+    options = dict(varlen_options(make_initial_state(rng, heads[1], head_k, head_v, layout), layout),
+                   use_qk_l2norm=True)
+    actual = run(gdn_pallas.gated_delta_rule, inputs, **options, chunk_size=chunk_size)
+    assert_matches(actual, gdn_reference.gated_delta_rule(**inputs, **options), FP32_TOL)
+
+
+@pytest.mark.parametrize("chunk_size, head_k, head_v, layout, gate", [
+    (32, 16, 32, "kv", "softplus"),
+    (64, 32, 16, "vk", "bounded"),
+])
+def test_kda_matches_reference(chunk_size, head_k, head_v, layout, gate):
+    rng = np.random.default_rng(23 + chunk_size)
+    inputs = make_inputs(rng, NUM_TOKENS, 1, 2, head_k, head_v, per_channel=True)
+    gate_options = dict(A_log=rng.uniform(-1.0, 1.0, size=2).astype(np.float32),
+                        dt_bias=rng.normal(size=2 * head_k).astype(np.float32))
+    if gate == "softplus":
+        inputs["g"] = rng.normal(size=inputs["g"].shape).astype(np.float32)
+    else:
+        gate_options = dict(gate_options, lower_bound=-5.0)
+        inputs["g"] = (3.0 * rng.normal(size=inputs["g"].shape)).astype(np.float32)
+    options = dict(varlen_options(make_initial_state(rng, 2, head_k, head_v, layout), layout), use_qk_l2norm=True)
+    actual = run(kda_pallas.kda, inputs, **options, **gate_options, chunk_size=chunk_size)
+    assert_matches(actual, kda_reference.kda(**inputs, **options, **gate_options), FP32_TOL)
+
+
+@pytest.mark.parametrize("op, per_channel", [(gdn_pallas.gated_delta_rule, False), (kda_pallas.kda, True)])
+def test_checkpoints_leave_outputs_bitwise_unchanged(op, per_channel):
+    rng = np.random.default_rng(37 + per_channel)
+    inputs = make_inputs(rng, NUM_TOKENS, 1, 2, 16, 16, per_channel=per_channel)
+    initial_state = make_initial_state(rng, 2, 16, 16, "kv")
+    with_checkpoints = run(op, inputs, **varlen_options(initial_state, "kv"), chunk_size=32)
+    without = run(op, inputs, initial_state=initial_state, cu_seqlens=CU_SEQLENS, chunk_size=32)
+    np.testing.assert_array_equal(with_checkpoints[0], without[0])
+    np.testing.assert_array_equal(with_checkpoints[1], without[1])
+    assert without[2].shape == (0, 2, 16, 16)
+
+
+def test_gdn_bfloat16_one_row_without_initial_state():
+    rng = np.random.default_rng(41)
+    inputs = make_inputs(rng, 100, 1, 2, 32, 32, per_channel=False)
+    for name in ("q", "k", "v"):
+        inputs[name] = inputs[name].astype(ml_dtypes.bfloat16)
+    options = dict(checkpoint_cu=np.array([0, 3], np.int32), checkpoint_offsets=np.array([1, 64, 99], np.int32),
+                   use_qk_l2norm=True)
+    actual = run(gdn_pallas.gated_delta_rule, inputs, **options, chunk_size=64)
+    assert actual[0].dtype == jnp.bfloat16 and actual[1].dtype == np.float32
+    assert_matches(actual, gdn_reference.gated_delta_rule(**inputs, **options), BF16_TOL)
+
+
+def test_supports_names_the_reason():
+    rng = np.random.default_rng(43)
+    inputs = {name: jnp.asarray(x) for name, x in make_inputs(rng, 8, 1, 1, 32, 32, per_channel=False).items()}
+    assert gdn_pallas.supports(**inputs, interpret=True) is None
+    assert "chunk_size" in gdn_pallas.supports(**inputs, chunk_size=128, interpret=True)
+    assert "block_v" in gdn_pallas.supports(**inputs, interpret=True, block_v=48)
+    assert "unknown" in gdn_pallas.supports(**inputs, interpret=True, num_warp=4)
+    odd = dict(inputs, v=jnp.zeros((8, 1, 24), jnp.float32))
+    assert gdn_pallas.supports(**odd, interpret=True).startswith("V:")
+    assert kda_pallas.supports(**inputs, interpret=True).startswith("g:")
+    with pytest.raises(ValueError, match="^chunk_size"):
+        gdn_pallas.gated_delta_rule(**inputs, chunk_size=8, interpret=True)
