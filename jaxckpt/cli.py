@@ -1,4 +1,7 @@
-"""Command line: `jaxckpt plan` prints the checkpoint plan of a sample batch."""
+"""Command line: `jaxckpt demo` runs the end-to-end prefix-cache demo; `jaxckpt plan` prints a batch's checkpoint plan.
+
+`jaxckpt plan` needs only numpy; the demo imports jax on first use.
+"""
 
 from __future__ import annotations
 
@@ -84,7 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--chunk-size", type=int, default=64)
     plan.add_argument("--eagle", action="store_true", help="EAGLE block drop")
     plan.set_defaults(func=plan_command)
+    demo = sub.add_parser("demo", add_help=False,
+                          help="stream a shared-prefix workload through the engine (`jaxckpt demo --help`)")
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    demo.set_defaults(func=demo_command)
     return parser
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    from jaxckpt.engine.demo import main as demo_main
+
+    return demo_main(args.demo_args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -163,3 +163,26 @@ def test_mamba_block_aligned_split():
                                   num_external_computed_tokens=r["num_external_computed_tokens"],
                                   shared_prefix_boundary=r["shared_prefix_boundary"])
         assert got == r["result"], r
+
+
+def _older_position(num_tokens, hash_block_size, drop_eagle_block):
+    """The rule before lookahead tokens (vllm-checkpoints.md §1.4): floor((N - 1) / H) * H, minus H under EAGLE."""
+    position = (num_tokens - 1) // hash_block_size * hash_block_size
+    return max(position - hash_block_size if drop_eagle_block else position, 0)
+
+
+def test_answers_tell_the_current_rule_from_older_forms():
+    rows = table("checkpoint_position")
+    eagle_on_boundary = [r for r in rows if r["drop_eagle_block"] and r["num_tokens"] > 0
+                         and r["num_tokens"] % r["hash_block_size"] == 0 and r["hash_block_size"] > 1]
+    lookahead = [r for r in rows if r["num_hash_lookahead_tokens"] > 1 and not r["drop_eagle_block"]]
+    assert any(_older_position(r["num_tokens"], r["hash_block_size"], True) != r["position"]
+               for r in eagle_on_boundary)
+    assert any(_older_position(r["num_tokens"], r["hash_block_size"], False) != r["position"] for r in lookahead)
+    split = table("mamba_block_aligned_split")
+    assert any(r["hash_block_size"] < r["cache_block_size"] for r in split)
+    budget_limited = [r for r in split if r["mamba_has_prefill_checkpoint_blocks"]
+                      and r["num_computed_tokens"] + r["num_new_tokens"] < r["num_prompt_tokens"]]
+    # a chunk that does not reach the prompt end never takes the internal checkpoint (older form: it did)
+    assert budget_limited and all(r["result"] <= r["num_new_tokens"] for r in budget_limited)
+    assert any(r["case"] and "3602" in str(r["case"]) and r["result"] == 1600 for r in split)
