@@ -253,12 +253,16 @@ def main(argv=None):
     parser.add_argument("--impls", nargs="+", default=["xla"])
     parser.add_argument("--peers", nargs="*", default=[], help="fla jla jla_chunked scan")
     parser.add_argument("--modes", nargs="+", default=["none", "per_row", "every_1024"])
+    parser.add_argument("--impl-modes", nargs="*", default=[],
+                        help="per-implementation checkpoint modes, e.g. xla=none,every_1024")
     parser.add_argument("--name", default="ops")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny shapes")
     parser.add_argument("--no-varlen", action="store_true")
     args = parser.parse_args(argv)
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     rec = Recorder(args.name, out_dir)
+    impl_modes = {impl: args.modes for impl in args.impls}
+    impl_modes.update({k: v.split(",") for k, v in (item.split("=") for item in args.impl_modes)})
     D = 16 if args.tiny else 128
     shapes = [(B, T, H) for (B, T, H) in (TINY_DELTA if args.tiny else DELTA_SHAPES)]
     cases = [([T] * B, H, {"B": B, "T": T, "H": H, "K": D, "V": D}, True) for B, T, H in shapes]
@@ -268,7 +272,7 @@ def main(argv=None):
         for lengths, H, label, batched in cases:
             print(f"== {kind} {label}", flush=True)
             for impl in args.impls:
-                bench_ours_delta(rec, kind, impl, lengths, H, D, label, args.modes)
+                bench_ours_delta(rec, kind, impl, lengths, H, D, label, impl_modes[impl])
             for peer, runner in (("fla", lambda: bench_fla_delta(rec, kind, lengths, H, D, label, batched)),
                                  ("jla", lambda: bench_jla_delta(rec, kind, "mosaic_gpu", lengths, H, D, label)),
                                  ("jla_chunked", lambda: bench_jla_delta(rec, kind, "chunked", lengths, H, D, label)),
@@ -286,7 +290,7 @@ def main(argv=None):
         for T, H in (TINY_SSD if args.tiny else SSD_SHAPES):
             print(f"== ssd T={T} H={H}", flush=True)
             for impl in args.impls:
-                bench_ours_ssd(rec, impl, T, H, args.modes, N=16 if args.tiny else 128, P=8 if args.tiny else 64)
+                bench_ours_ssd(rec, impl, T, H, impl_modes[impl], N=16 if args.tiny else 128, P=8 if args.tiny else 64)
             try:
                 bench_peers_ssd(rec, args.peers, T, H)
             except Exception as error:  # noqa: BLE001

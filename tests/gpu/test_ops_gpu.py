@@ -1,0 +1,64 @@
+"""jaxckpt's implementations on a GPU: the shared vectors per their classes, and real head sizes against float64.
+
+Run on the GPU machine: `JAXCKPT_GPU_TESTS=1 JAX_PLATFORMS=cuda python -m pytest -q tests/gpu`.
+"""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+IMPLEMENTATIONS = {"gdn": ("xla", "pallas_triton"), "kda": ("xla", "pallas_triton"), "ssd": ("xla",),
+                   "conv1d": ("xla",)}
+
+
+def _cases():
+    from tests.vectors.loader import load_cases
+
+    return [(op, impl, case) for op, impls in IMPLEMENTATIONS.items() for case in load_cases(op) for impl in impls]
+
+
+@pytest.mark.parametrize("op, impl, case", _cases(), ids=lambda x: getattr(x, "name", x))
+def test_vectors_on_gpu(op, impl, case):
+    from jaxckpt import ops
+    from tests.vectors.loader import check_case
+
+    entry = {"gdn": ops.gated_delta_rule, "kda": ops.kda, "ssd": ops.ssd, "conv1d": ops.causal_conv1d}[op]
+    outputs = entry(**case.arguments, implementation=impl)
+    check_case(case, [np.asarray(o) for o in outputs])
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_triton"])
+def test_real_head_size_bf16_against_float64(op, impl):
+    import jax.numpy as jnp
+
+    from jaxckpt import ops
+    from jaxckpt.ops.gdn.reference import gated_delta_rule as gdn_ref
+    from jaxckpt.ops.kda.reference import kda as kda_ref
+
+    rng = np.random.default_rng(42)
+    lengths, H, D = [700, 1, 299], 2, 128
+    T = sum(lengths)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k = rng.standard_normal((T, H, D)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((T, 2 * H, D)).astype(np.float32)
+    g = -np.log1p(np.exp(-rng.standard_normal((T, 2 * H) if op == "gdn" else (T, 2 * H, D)))).astype(np.float32)
+    if op == "kda":
+        g /= 8
+    beta = (1 / (1 + np.exp(-rng.standard_normal((T, 2 * H))))).astype(np.float32)
+    h0 = (rng.standard_normal((3, 2 * H, D, D)) * 0.1).astype(np.float32)
+    bf = [np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)) for a in (q, k, v)]
+    meta = dict(cu_seqlens=np.array([0, 700, 701, 1000]), checkpoint_cu=np.array([0, 3, 3, 4]),
+                checkpoint_offsets=np.array([1, 64, 512, 298]), initial_state=h0)
+    reference = gdn_ref if op == "gdn" else kda_ref
+    expected = reference(*bf, g, beta, **meta)
+    fn = ops.gated_delta_rule if op == "gdn" else ops.kda
+    got = fn(*(jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)), g, beta, **meta, implementation=impl)
+    for name, a, b in zip(("o", "final", "checkpoints"), got, expected):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        err = np.linalg.norm(a - b) / np.linalg.norm(b)
+        print(f"{op} {impl} {name} rel-RMS {err:.2e}")
+        assert err < 6e-3, (name, err)
