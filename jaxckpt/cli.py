@@ -87,20 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--chunk-size", type=int, default=64)
     plan.add_argument("--eagle", action="store_true", help="EAGLE block drop")
     plan.set_defaults(func=plan_command)
-    demo = sub.add_parser("demo", add_help=False,
-                          help="stream a shared-prefix workload through the engine (`jaxckpt demo --help`)")
-    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
-    demo.set_defaults(func=demo_command)
+    sub.add_parser("demo", help="stream a shared-prefix workload through the engine (`jaxckpt demo --help`)")
     return parser
 
 
-def demo_command(args: argparse.Namespace) -> int:
-    from jaxckpt.engine.demo import main as demo_main
-
-    return demo_main(args.demo_args)
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:
+        from jaxckpt.engine.demo import main as demo_main
+
+        return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -234,7 +234,8 @@ def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapp
     d_out, d_final = decode_step(**decode_arrays, initial_state=None if initial_state is None
                                  else initial_state[:num_decodes], **options)
     if out is None:
-        return d_out, d_final, ckpt
+        padding = first.shape[0] - num_decodes
+        return jnp.pad(d_out, [(0, padding)] + [(0, 0)] * (d_out.ndim - 1)), d_final, ckpt
     return jnp.concatenate([d_out.astype(out.dtype), out]), jnp.concatenate([d_final, final]), ckpt
 
 
