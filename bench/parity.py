@@ -1,0 +1,257 @@
+"""Parity of every checkpointed-prefill path on the same bf16 inputs, and FLA checkpoint overheads (GPU).
+
+`python -m bench.parity [--name NAME] [--only parity|timing]` on the GPU machine writes `<name>.json` / `.md` (rel-RMS
+table) and `<name>_timing.json` / `.md` (Recorder schema) under $OUT, else bench/results. Under 5 minutes on one H200.
+
+Parity: GDN, KDA (K = V = 128, H = 2, HV = 4, varlen rows with 1-token and checkpoint-free rows) and SSD (H = 8,
+P = 64, N = 128, G = 2) through jaxckpt (xla, pallas_triton), torch_bridge (FLA split, FLA KDA intermediate states,
+the Triton SSD at ieee and tf32 dots, the DLPack bridge onto jaxckpt's xla path) against the float64 reference run on
+exactly the bf16-rounded inputs; rel-RMS of the output, the final states and every checkpoint on its own. KDA offsets
+lie on the 64 grid so the native path sees the same checkpoints. A failing path is recorded with its error.
+
+Timing: FLA 0.6.0 plain (final states only), split with one checkpoint per row (the row's last 512-token boundary;
+host planning and gathers included), and KDA with intermediate states, at the anchor shapes (B, T, H) = (1, 8192, 16),
+(1, 32768, 16), (8, 4096, 32), K = V = 128, all as packed varlen rows (B = 1, cu_seqlens) with fp32 initial states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.common import Recorder, device, torch_time, versions  # noqa: E402
+
+ANCHOR_SHAPES = [(1, 8192, 16), (1, 32768, 16), (8, 4096, 32)]
+
+
+def bf16_round(a):
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def rel_rms(out, expected) -> float:
+    if hasattr(out, "detach"):
+        out = out.detach().float().cpu().numpy()
+    out = np.asarray(out, np.float64)
+    expected = np.asarray(expected, np.float64)
+    if out.shape != expected.shape:
+        raise ValueError(f"out: shape {out.shape} != expected {expected.shape}")
+    return float(np.linalg.norm(out - expected) / np.linalg.norm(expected))
+
+
+def delta_problem(op, seed):
+    rng = np.random.default_rng(seed)
+    lengths, heads, v_heads, dim = [1000, 1, 513, 300], 2, 4, 128
+    T = sum(lengths)
+    q = rng.standard_normal((T, heads, dim))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k = rng.standard_normal((T, heads, dim))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = -np.log1p(np.exp(-rng.standard_normal((T, v_heads) if op == "gdn" else (T, v_heads, dim))))
+    if op == "kda":
+        g /= 8
+    beta = 1 / (1 + np.exp(-rng.standard_normal((T, v_heads))))
+    arrays = dict(q=bf16_round(q), k=bf16_round(k), v=bf16_round(rng.standard_normal((T, v_heads, dim))),
+                  g=g.astype(np.float32), beta=beta.astype(np.float32))
+    h0 = (rng.standard_normal((len(lengths), v_heads, dim, dim)) * 0.1).astype(np.float32)
+    offsets = {"gdn": [[1, 64, 999], [], [256, 300], [100]], "kda": [[64, 960], [], [256, 512], [192]]}[op]
+    return arrays, h0, lengths, offsets
+
+
+def ssd_problem(seed):
+    rng = np.random.default_rng(seed)
+    lengths, H, P, G, N = [1500, 1, 400, 130], 8, 64, 2, 128
+    T = sum(lengths)
+    arrays = dict(x=bf16_round(rng.standard_normal((T, H, P))), dt=bf16_round(rng.standard_normal((T, H)) - 2),
+                  A=-np.exp(rng.uniform(0, 2, H)).astype(np.float32), B=bf16_round(rng.standard_normal((T, G, N))),
+                  C=bf16_round(rng.standard_normal((T, G, N))))
+    options = dict(D=rng.standard_normal(H).astype(np.float32),
+                   dt_bias=(rng.standard_normal(H) * 0.5).astype(np.float32),
+                   z=bf16_round(rng.standard_normal((T, H, P))))
+    h0 = (rng.standard_normal((len(lengths), H, P, N)) * 0.1).astype(np.float32)
+    return arrays, options, h0, lengths, [[1, 777, 1499], [], [64, 399], []]
+
+
+def csr(lengths, offsets):
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    ccu = np.concatenate([[0], np.cumsum([len(o) for o in offsets])]).astype(np.int32)
+    flat = np.asarray([p for row in offsets for p in row], np.int32)
+    return cu, ccu, flat
+
+
+def compare(results, op, path, outputs, expected, ccu, offsets, started):
+    rows = np.repeat(np.arange(ccu.size - 1), np.diff(ccu))
+    entry = {"op": op, "path": path, "seconds": round(time.perf_counter() - started, 2),
+             "output": rel_rms(outputs[0], expected[0]), "final_state": rel_rms(outputs[1], expected[1]),
+             "checkpoints": [{"row": int(rows[m]), "offset": int(offsets[m]),
+                              "rel_rms": rel_rms(outputs[2][m], expected[2][m])} for m in range(offsets.size)]}
+    results.append(entry)
+    worst = max([c["rel_rms"] for c in entry["checkpoints"]], default=0.0)
+    print(f"  {op:<4} {path:<32} o {entry['output']:.2e}  final {entry['final_state']:.2e}  "
+          f"worst checkpoint {worst:.2e}", flush=True)
+
+
+def attempt(results, op, path, run, expected, ccu, offsets):
+    started = time.perf_counter()
+    try:
+        compare(results, op, path, run(), expected, ccu, offsets, started)
+    except Exception as error:  # noqa: BLE001 - a failing path is a result, the others still run
+        traceback.print_exc()
+        results.append({"op": op, "path": path, "error": f"{type(error).__name__}: {str(error)[:300]}"})
+        print(f"  {op:<4} {path:<32} FAILED {type(error).__name__}", flush=True)
+
+
+def parity() -> list[dict]:
+    import jax.numpy as jnp
+    import torch
+
+    from jaxckpt import ops
+    from jaxckpt.ops.gdn.reference import gated_delta_rule as gdn_reference
+    from jaxckpt.ops.kda.reference import kda as kda_reference
+    from jaxckpt.ops.ssd.reference import ssd as ssd_reference
+    from torch_bridge import interop
+    from torch_bridge.ops import fla_prefill
+    from torch_bridge.ops.ssd import ssd as triton_ssd
+
+    cuda = lambda a, dtype=torch.float32: torch.tensor(a, device="cuda").to(dtype)  # noqa: E731
+    results = []
+    for op, seed in (("gdn", 11), ("kda", 12)):
+        arrays, h0, lengths, offset_rows = delta_problem(op, seed)
+        cu, ccu, offsets = csr(lengths, offset_rows)
+        meta = dict(cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=offsets)
+        expected = (gdn_reference if op == "gdn" else kda_reference)(**arrays, initial_state=h0, **meta)
+        entry = ops.gated_delta_rule if op == "gdn" else ops.kda
+        bridge = interop.gated_delta_rule if op == "gdn" else interop.kda
+        jax_args = [jnp.asarray(arrays[n], jnp.bfloat16) for n in ("q", "k", "v")] + [jnp.asarray(arrays["g"]),
+                                                                                      jnp.asarray(arrays["beta"])]
+        torch_args = dict(q=cuda(arrays["q"], torch.bfloat16), k=cuda(arrays["k"], torch.bfloat16),
+                          v=cuda(arrays["v"], torch.bfloat16), g=cuda(arrays["g"]), beta=cuda(arrays["beta"]))
+        for impl in ("xla", "pallas_triton"):
+            attempt(results, op, f"jaxckpt.{impl}",
+                    lambda impl=impl: entry(*jax_args, initial_state=jnp.asarray(h0), implementation=impl, **meta),
+                    expected, ccu, offsets)
+        split = fla_prefill.chunk_gated_delta_rule_split if op == "gdn" else fla_prefill.chunk_kda_split
+        attempt(results, op, "torch_bridge.fla_split",
+                lambda: split(**torch_args, initial_state=cuda(h0), **meta), expected, ccu, offsets)
+        if op == "kda":
+            attempt(results, op, "torch_bridge.fla_kda_native_64",
+                    lambda: fla_prefill.chunk_kda_native(**torch_args, initial_state=cuda(h0), **meta), expected, ccu,
+                    offsets)
+        attempt(results, op, "torch_bridge.bridge(jaxckpt.xla)",
+                lambda: bridge(*torch_args.values(), initial_state=cuda(h0), implementation="xla", **meta),
+                expected, ccu, offsets)
+
+    arrays, options, h0, lengths, offset_rows = ssd_problem(13)
+    cu, ccu, offsets = csr(lengths, offset_rows)
+    meta = dict(cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=offsets)
+    expected = ssd_reference(**arrays, **options, initial_state=h0, **meta)
+    bf_names = ("x", "dt", "B", "C", "z")
+    jax_arrays = {n: jnp.asarray(a, jnp.bfloat16 if n in bf_names else jnp.float32)
+                  for n, a in {**arrays, **options}.items()}
+    torch_arrays = {n: cuda(a, torch.bfloat16 if n in bf_names else torch.float32)
+                    for n, a in {**arrays, **options}.items()}
+    for impl in ("xla", "pallas_triton"):
+        attempt(results, "ssd", f"jaxckpt.{impl}",
+                lambda impl=impl: ops.ssd(**jax_arrays, initial_state=jnp.asarray(h0), implementation=impl, **meta),
+                expected, ccu, offsets)
+    for precision in ("ieee", "tf32"):
+        attempt(results, "ssd", f"torch_bridge.triton_ssd({precision})",
+                lambda precision=precision: triton_ssd(**torch_arrays, initial_state=cuda(h0),
+                                                       dot_precision=precision, **meta),
+                expected, ccu, offsets)
+    attempt(results, "ssd", "torch_bridge.bridge(jaxckpt.xla)",
+            lambda: interop.ssd(**torch_arrays, initial_state=cuda(h0), implementation="xla", **meta),
+            expected, ccu, offsets)
+    return results
+
+
+def parity_markdown(payload: dict) -> str:
+    lines = [f"# {payload['name']}", "", f"device: {payload['device']}", f"versions: {payload['versions']}", "",
+             "rel-RMS against the float64 reference on the same bf16-rounded inputs (bf16 class bound 6e-3).", "",
+             "| op | path | output | final states | worst checkpoint | every checkpoint (row, offset: rel-RMS) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in payload["results"]:
+        if "error" in r:
+            lines.append(f"| {r['op']} | {r['path']} | FAILED: {r['error']} | | | |")
+            continue
+        ckpts = r["checkpoints"]
+        worst = max((c["rel_rms"] for c in ckpts), default=0.0)
+        each = "; ".join(f"({c['row']}, {c['offset']}): {c['rel_rms']:.2e}" for c in ckpts)
+        lines.append(f"| {r['op']} | {r['path']} | {r['output']:.2e} | {r['final_state']:.2e} | {worst:.2e} | "
+                     f"{each} |")
+    return "\n".join(lines) + "\n"
+
+
+def timing(recorder: Recorder) -> None:
+    import torch
+
+    from bench.ops_bench import checkpoint_lists, delta_inputs
+    from torch_bridge.ops import fla_prefill
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+
+    for kind in ("gdn", "kda"):
+        fla = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
+        split = fla_prefill.chunk_gated_delta_rule_split if kind == "gdn" else fla_prefill.chunk_kda_split
+        for B, T, H in ANCHOR_SHAPES:
+            lengths = [T] * B
+            shape = {"B": B, "T": T, "H": H, "K": 128, "V": 128}
+            print(f"== {kind} {shape}", flush=True)
+            q, k, v, g, beta, h0, cu = delta_inputs(lengths, H, 128, kind)
+            bf = lambda a: torch.from_numpy(a).to("cuda", torch.bfloat16)  # noqa: E731
+            f32 = lambda a: torch.from_numpy(a).to("cuda")  # noqa: E731
+            args = dict(q=bf(q), k=bf(k), v=bf(v), g=f32(g), beta=f32(beta))
+            batched = {n: t[None] for n, t in args.items()}
+            initial = f32(h0)
+            cu_t, cu_cpu = torch.from_numpy(cu).long().cuda(), torch.from_numpy(cu).long()
+            ccu, offsets = checkpoint_lists(lengths, "per_row")
+            meta = dict(cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=offsets)
+            runs = [("fla", "none", lambda: fla(**batched, initial_state=initial, output_final_state=True,
+                                                cu_seqlens=cu_t, cu_seqlens_cpu=cu_cpu)),
+                    ("fla_split", "per_row", lambda: split(**args, initial_state=initial, **meta))]
+            if kind == "kda":
+                runs.append(("fla_kda_native_64", "per_row",
+                             lambda: fla_prefill.chunk_kda_native(**args, initial_state=initial, **meta)))
+            for name, mode, fn in runs:
+                try:
+                    with torch.inference_mode():
+                        recorder.add(op=kind, implementation=name, shape=shape, rows=lengths, checkpoints=mode,
+                                     num_checkpoints=int(offsets.size) if mode != "none" else 0, dtype="bf16",
+                                     note="host planning included" if mode != "none" else "", **torch_time(fn))
+                except Exception as error:  # noqa: BLE001
+                    traceback.print_exc()
+                    recorder.add(op=kind, implementation=name, shape=shape, checkpoints=mode, median_ms=None,
+                                 note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+            recorder.write()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--name", default="parity")
+    parser.add_argument("--only", choices=("parity", "timing"))
+    args = parser.parse_args(argv)
+    out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.only != "timing":
+        print("== parity", flush=True)
+        payload = {"schema": 1, "name": args.name, "device": device(), "versions": versions(), "results": parity()}
+        (out_dir / f"{args.name}.json").write_text(json.dumps(payload, indent=1))
+        (out_dir / f"{args.name}.md").write_text(parity_markdown(payload))
+        print(f"wrote {out_dir / args.name}.json/.md", flush=True)
+    if args.only != "parity":
+        recorder = Recorder(f"{args.name}_timing", out_dir)
+        timing(recorder)
+        print(f"wrote {recorder.write()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
