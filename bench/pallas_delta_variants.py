@@ -6,8 +6,8 @@ Run on a GPU host from the repository root: `python bench/pallas_delta_variants.
     token-by-token reference on the CPU (rel-RMS printed; FLA 0.6.0 lands at 2.5e-3 to 4.4e-3 against float64);
 (b) times the kernels (median of RUNS wall-clock runs after block_until_ready, after warm-up) at the anchor shapes
     (B, T, H) = (1, 8192, 16), (1, 32768, 16), (8, 4096, 32) as B equal varlen rows, HV = H, with and without one
-    checkpoint per row, sweeping tuning variants (num_warps, num_stages, block_v) on the first shape and timing the
-    default and the fastest variant on every shape.
+    checkpoint per row: version 1 (the run-1 best tuning, the baseline), version 2 and version 2 with `fuse_output`
+    side by side on every shape, then a sweep of version 2 tunings on the first shape while time is left.
 Inputs follow `shared/anchors/peer_probe.py`: L2-normalised q, k; g = logsigmoid(N(0, 1)) (KDA: / 8); beta =
 sigmoid(N(0, 1)); initial states 0.1 N(0, 1). Every case runs in its own try/except; a deadline keeps the whole run
 under about 6 minutes. A table goes to stdout and JSON to $OUT/pallas_delta.json when OUT is set.
@@ -37,19 +37,29 @@ from jaxckpt.ops.kda import reference as kda_reference  # noqa: E402
 from jaxckpt.ops.kda import xla as kda_xla  # noqa: E402
 
 HEAD_DIM = 128
-RUNS = 20
-WARMUP = 3
+RUNS = 15
+WARMUP = 2
 DEADLINE_S = 330.0
 SHAPES = ((1, 8192, 16), (1, 32768, 16), (8, 4096, 32))
-VARIANTS = (
-    dict(),
-    dict(num_warps=4, num_stages=3),
-    dict(num_warps=8, num_stages=2),
-    dict(num_warps=4, num_stages=2, block_v=32),
-    dict(num_warps=8, num_stages=2, block_v=128),
-    dict(num_warps=4, num_stages=1, block_v=32),
-    dict(num_warps=8, num_stages=3, intra_num_warps=8),
+# per op: the best version-1 variant of run 1 (the baseline), version 2 and version 2 with the output fused into the
+# state pass; each timed on every shape with and without one checkpoint per row
+MAIN = {
+    "gdn": (dict(version=1, num_warps=4, num_stages=2, block_v=32), dict(block_v=32),
+            dict(fuse_output=True, block_v=32)),
+    "kda": (dict(version=1, num_warps=8, num_stages=2), dict(block_v=32), dict(fuse_output=True, block_v=32)),
+}
+# then, time permitting, version 2 tunings on the first shape without checkpoints
+SWEEP = (
+    dict(block_v=16),
+    dict(block_v=64),
+    dict(fuse_output=True, block_v=16),
+    dict(fuse_output=True, block_v=64),
+    dict(block_v=32, num_warps=8),
+    dict(block_v=32, intra_num_warps=8),
+    dict(fuse_output=True, block_v=32, num_stages=3),
 )
+ACCURACY_VARIANTS = (dict(), dict(fuse_output=True))
+TUNING_LABELS = ("version", "fuse_output", "num_warps", "num_stages", "block_v", "intra_num_warps")
 OPS = {"gdn": (gdn_pallas.gated_delta_rule, gdn_xla.gated_delta_rule, gdn_reference.gated_delta_rule),
        "kda": (kda_pallas.kda, kda_xla.kda, kda_reference.kda)}
 START = time.perf_counter()
@@ -102,12 +112,14 @@ def check_accuracy(results):
         name = f"accuracy {op} T=8192 H=16 bf16 vs xla fp32"
         try:
             inputs = make_inputs(op, 1, 8192, 16, checkpoints=[1, 4096, 5000, 8191], seed=1)
-            ours = pallas_fn(**inputs)
             exact = xla_fn(**{k: v.astype(jnp.float32) if k in ("q", "k", "v") else v for k, v in inputs.items()})
-            errs = {n: rel_rms(a, e) for n, a, e in zip(("o", "final", "ckpt"), ours, exact)}
-            nan = any(bool(jnp.isnan(x).any()) for x in ours)
-            results.append(dict(case=name, **errs, nan=nan))
-            print(f"{name}: " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()) + f" nan={nan}", flush=True)
+            for variant in ACCURACY_VARIANTS:
+                ours = pallas_fn(**inputs, **variant)
+                errs = {n: rel_rms(a, e) for n, a, e in zip(("o", "final", "ckpt"), ours, exact)}
+                nan = any(bool(jnp.isnan(x).any()) for x in ours)
+                results.append(dict(case=name, **variant, **errs, nan=nan))
+                print(f"{name} {variant}: " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()) + f" nan={nan}",
+                      flush=True)
         except Exception as exc:  # noqa: BLE001 - one failure must not stop the rest
             results.append(dict(case=name, error=repr(exc)[:500]))
             traceback.print_exc()
@@ -120,11 +132,12 @@ def check_accuracy(results):
                           checkpoint_cu=jnp.array([0, 3, 3, 4], jnp.int32),
                           checkpoint_offsets=jnp.array([1, 64, 333, 298], jnp.int32))
             exact = reference_fn(**{k: np.asarray(v) for k, v in inputs.items()})
-            for chunk_size in (64, 32):
-                ours = pallas_fn(**inputs, chunk_size=chunk_size)
+            for chunk_size, variant in ((64, ACCURACY_VARIANTS[0]), (32, ACCURACY_VARIANTS[-1])):
+                ours = pallas_fn(**inputs, chunk_size=chunk_size, **variant)
                 errs = {n: rel_rms(a, e) for n, a, e in zip(("o", "final", "ckpt"), ours, exact)}
-                results.append(dict(case=f"{name} C={chunk_size}", **errs))
-                print(f"{name} C={chunk_size}: " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()), flush=True)
+                results.append(dict(case=f"{name} C={chunk_size}", **variant, **errs))
+                print(f"{name} C={chunk_size} {variant}: " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()),
+                      flush=True)
         except Exception as exc:  # noqa: BLE001
             results.append(dict(case=name, error=repr(exc)[:500]))
             traceback.print_exc()
@@ -155,26 +168,22 @@ def main():
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
     results = []
     check_accuracy(results)
-    for op in OPS:
-        sweep = [(bench_case(results, op, SHAPES[0], v, checkpoint=False), i) for i, v in enumerate(VARIANTS)]
-        timed = [(ms, i) for ms, i in sweep if ms is not None]
-        best = VARIANTS[min(timed)[1]] if timed else VARIANTS[0]
-        picks = [VARIANTS[0]] + ([best] if best != VARIANTS[0] else [])
+    for op, variants in MAIN.items():
         for shape in SHAPES:
-            for variant in picks:
+            for variant in variants:
                 for checkpoint in (False, True):
-                    if shape == SHAPES[0] and not checkpoint:
-                        continue  # timed in the sweep
                     bench_case(results, op, shape, variant, checkpoint=checkpoint)
-        bench_case(results, op, SHAPES[0], {}, checkpoint=False, impl="xla")
+    for op in MAIN:
+        for variant in SWEEP:
+            bench_case(results, op, SHAPES[0], variant, checkpoint=False)
 
-    print("\nop   impl   B  T      H   ckpt  variant                                   ms")
+    print("\nop   impl   B  T      H   ckpt  variant                                                    ms")
     for r in results:
         if "op" in r:
-            variant = {k: v for k, v in r.items() if k in ("num_warps", "num_stages", "block_v", "intra_num_warps")}
+            variant = {k: v for k, v in r.items() if k in TUNING_LABELS}
             ms = f"{r['ms']:.3f}" if "ms" in r else r.get("error", "")[:60]
             print(f"{r['op']:4s} {r['impl']:6s} {r['B']:<2d} {r['T']:<6d} {r['H']:<3d} {int(r['checkpoint']):<5d} "
-                  f"{str(variant):41s} {ms}")
+                  f"{str(variant):58s} {ms}")
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)

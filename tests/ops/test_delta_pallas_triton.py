@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxckpt.ops.common import pallas_triton_delta
 from jaxckpt.ops.gdn import pallas_triton as gdn_pallas
 from jaxckpt.ops.gdn import reference as gdn_reference
 from jaxckpt.ops.kda import pallas_triton as kda_pallas
@@ -71,24 +72,26 @@ def assert_matches(actual, expected, tol):
         assert rel_rms(a, e) <= tol, (name, rel_rms(a, e))
 
 
-@pytest.mark.parametrize("chunk_size, heads, head_k, head_v, layout", [
-    (16, (1, 2), 16, 32, "kv"),
-    (64, (2, 4), 32, 16, "vk"),
+@pytest.mark.parametrize("chunk_size, heads, head_k, head_v, layout, tuning", [
+    (16, (1, 2), 16, 32, "kv", dict(fuse_output=True)),
+    (64, (2, 4), 32, 16, "vk", dict()),
+    (32, (1, 2), 16, 16, "kv", dict(version=1)),
 ])
-def test_gdn_matches_reference(chunk_size, heads, head_k, head_v, layout):
+def test_gdn_matches_reference(chunk_size, heads, head_k, head_v, layout, tuning):
     rng = np.random.default_rng(11 + chunk_size)
     inputs = make_inputs(rng, NUM_TOKENS, *heads, head_k, head_v, per_channel=False)
     options = dict(varlen_options(make_initial_state(rng, heads[1], head_k, head_v, layout), layout),
                    use_qk_l2norm=True)
-    actual = run(gdn_pallas.gated_delta_rule, inputs, **options, chunk_size=chunk_size)
+    actual = run(gdn_pallas.gated_delta_rule, inputs, **options, chunk_size=chunk_size, **tuning)
     assert_matches(actual, gdn_reference.gated_delta_rule(**inputs, **options), FP32_TOL)
 
 
-@pytest.mark.parametrize("chunk_size, head_k, head_v, layout, gate", [
-    (32, 16, 32, "kv", "softplus"),
-    (64, 32, 16, "vk", "bounded"),
+@pytest.mark.parametrize("chunk_size, head_k, head_v, layout, gate, tuning", [
+    (32, 16, 32, "kv", "softplus", dict(fuse_output=True)),
+    (64, 32, 16, "vk", "bounded", dict()),
+    (16, 16, 16, "kv", "softplus", dict(version=1)),
 ])
-def test_kda_matches_reference(chunk_size, head_k, head_v, layout, gate):
+def test_kda_matches_reference(chunk_size, head_k, head_v, layout, gate, tuning):
     rng = np.random.default_rng(23 + chunk_size)
     inputs = make_inputs(rng, NUM_TOKENS, 1, 2, head_k, head_v, per_channel=True)
     gate_options = dict(A_log=rng.uniform(-1.0, 1.0, size=2).astype(np.float32),
@@ -99,30 +102,35 @@ def test_kda_matches_reference(chunk_size, head_k, head_v, layout, gate):
         gate_options = dict(gate_options, lower_bound=-5.0)
         inputs["g"] = (3.0 * rng.normal(size=inputs["g"].shape)).astype(np.float32)
     options = dict(varlen_options(make_initial_state(rng, 2, head_k, head_v, layout), layout), use_qk_l2norm=True)
-    actual = run(kda_pallas.kda, inputs, **options, **gate_options, chunk_size=chunk_size)
+    actual = run(kda_pallas.kda, inputs, **options, **gate_options, chunk_size=chunk_size, **tuning)
     assert_matches(actual, kda_reference.kda(**inputs, **options, **gate_options), FP32_TOL)
 
 
-@pytest.mark.parametrize("op, per_channel", [(gdn_pallas.gated_delta_rule, False), (kda_pallas.kda, True)])
-def test_checkpoints_leave_outputs_bitwise_unchanged(op, per_channel):
+@pytest.mark.parametrize("op, per_channel, tuning", [
+    (gdn_pallas.gated_delta_rule, False, dict()),
+    (kda_pallas.kda, True, dict()),
+    (gdn_pallas.gated_delta_rule, False, dict(fuse_output=True)),
+])
+def test_checkpoints_leave_outputs_bitwise_unchanged(op, per_channel, tuning):
     rng = np.random.default_rng(37 + per_channel)
     inputs = make_inputs(rng, NUM_TOKENS, 1, 2, 16, 16, per_channel=per_channel)
     initial_state = make_initial_state(rng, 2, 16, 16, "kv")
-    with_checkpoints = run(op, inputs, **varlen_options(initial_state, "kv"), chunk_size=32)
-    without = run(op, inputs, initial_state=initial_state, cu_seqlens=CU_SEQLENS, chunk_size=32)
+    with_checkpoints = run(op, inputs, **varlen_options(initial_state, "kv"), chunk_size=32, **tuning)
+    without = run(op, inputs, initial_state=initial_state, cu_seqlens=CU_SEQLENS, chunk_size=32, **tuning)
     np.testing.assert_array_equal(with_checkpoints[0], without[0])
     np.testing.assert_array_equal(with_checkpoints[1], without[1])
     assert without[2].shape == (0, 2, 16, 16)
 
 
-def test_gdn_bfloat16_one_row_without_initial_state():
+@pytest.mark.parametrize("tuning", [dict(), dict(fuse_output=True)])
+def test_gdn_bfloat16_one_row_without_initial_state(tuning):
     rng = np.random.default_rng(41)
     inputs = make_inputs(rng, 100, 1, 2, 32, 32, per_channel=False)
     for name in ("q", "k", "v"):
         inputs[name] = inputs[name].astype(ml_dtypes.bfloat16)
     options = dict(checkpoint_cu=np.array([0, 3], np.int32), checkpoint_offsets=np.array([1, 64, 99], np.int32),
                    use_qk_l2norm=True)
-    actual = run(gdn_pallas.gated_delta_rule, inputs, **options, chunk_size=64)
+    actual = run(gdn_pallas.gated_delta_rule, inputs, **options, chunk_size=64, **tuning)
     assert actual[0].dtype == jnp.bfloat16 and actual[1].dtype == np.float32
     assert_matches(actual, gdn_reference.gated_delta_rule(**inputs, **options), BF16_TOL)
 
@@ -134,8 +142,31 @@ def test_supports_names_the_reason():
     assert "chunk_size" in gdn_pallas.supports(**inputs, chunk_size=128, interpret=True)
     assert "block_v" in gdn_pallas.supports(**inputs, interpret=True, block_v=48)
     assert "unknown" in gdn_pallas.supports(**inputs, interpret=True, num_warp=4)
+    assert "version" in gdn_pallas.supports(**inputs, interpret=True, version=3)
+    assert "fuse_output" in gdn_pallas.supports(**inputs, interpret=True, version=1, fuse_output=True)
     odd = dict(inputs, v=jnp.zeros((8, 1, 24), jnp.float32))
     assert gdn_pallas.supports(**odd, interpret=True).startswith("V:")
     assert kda_pallas.supports(**inputs, interpret=True).startswith("g:")
     with pytest.raises(ValueError, match="^chunk_size"):
         gdn_pallas.gated_delta_rule(**inputs, chunk_size=8, interpret=True)
+
+
+def test_diagonal_block_helpers_are_exact_under_strong_decays():
+    # the loop-free diagonal helpers of version 2, outside a kernel, against float64: decays down to e^-60 per token
+    # would overflow any single-reference factorisation, the split one keeps every factor <= 1
+    rng = np.random.default_rng(47)
+    sub, head_k = pallas_triton_delta.SUB, 32
+    g = -rng.exponential(2.0, size=(sub, head_k)) - np.where(rng.random((sub, head_k)) < 0.2, 60.0, 0.0)
+    G = np.cumsum(g, axis=0)
+    a, k = rng.normal(size=(2, sub, head_k))
+    pairs = a[:, None, :] * k[None, :, :] * np.exp(np.minimum(G[:, None, :] - G[None, :, :], 0.0))
+    expected = np.where(np.tri(sub, k=-1, dtype=bool), pairs.sum(-1), 0.0)
+    dots = pallas_triton_delta._Dots(jnp.float32)
+    G32 = jnp.asarray(G, jnp.float32)
+    (scores,) = pallas_triton_delta._diag_block_scores([jnp.asarray(a, jnp.float32)], jnp.asarray(k, jnp.float32),
+                                                       G32, lambda idx: G32[idx], dots)
+    np.testing.assert_allclose(np.asarray(scores), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+    A = np.tril(rng.normal(scale=0.3, size=(sub, sub)), k=-1)
+    inverse = pallas_triton_delta._doubling_inverse(jnp.asarray(A, jnp.float32))
+    np.testing.assert_allclose(np.asarray(inverse), np.linalg.inv(np.eye(sub) + A), rtol=1e-5, atol=1e-5)

@@ -1,6 +1,6 @@
 """The chunk-parallel XLA GDN and KDA against the float64 token-by-token references, and their own promises:
-checkpoint methods agree, in-chunk checkpoints leave outputs bitwise unchanged, traced metadata compiles once,
-gradients match a token-by-token scan."""
+checkpoint methods and state passes agree, in-chunk checkpoints leave outputs bitwise unchanged, traced metadata
+compiles once, bf16 inputs land in the bf16 accuracy class, gradients match a token-by-token scan."""
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ from jaxckpt.ops.kda import xla as kda_xla
 
 H, HV = 2, 4
 FP32_TOL = 1e-5
+BF16_TOL = 6e-3
 
 # rows of lengths 0, 1, 36, 0, 83 and 10 padding tokens; checkpoints at 1, len - 1, a chunk boundary (64) and
 # inside chunks, then two padded CSR entries
@@ -159,17 +160,37 @@ def test_traced_metadata_compiles_once():
     assert len(traces) == 1
 
 
-def test_bfloat16_inputs():
-    rng = np.random.default_rng(707)
-    inputs = make_inputs(rng, NUM_TOKENS, 16, 16, per_channel=True, dtype=ml_dtypes.bfloat16)
-    init = make_initial_state(rng, 5, 16, 16, "kv", rows_with_state=(2, 4)).astype(ml_dtypes.bfloat16)
+@pytest.mark.parametrize("per_channel, method", [(False, "forced_break"), (True, "in_chunk")])
+def test_bfloat16_inputs_land_in_the_bf16_class(per_channel, method):
+    rng = np.random.default_rng(707 + per_channel)
+    inputs = make_inputs(rng, NUM_TOKENS, 16, 16, per_channel=per_channel, dtype=ml_dtypes.bfloat16)
+    inputs["g"], inputs["beta"] = inputs["g"].astype(np.float32), inputs["beta"].astype(np.float32)
+    init = make_initial_state(rng, 5, 16, 16, "kv", rows_with_state=(2, 4))
     kwargs = varlen_kwargs(init, use_qk_l2norm=True)
-    out = kda_xla.kda(**{name: jnp.asarray(x) for name, x in inputs.items()}, **kwargs)
-    expected = kda_reference.kda(**inputs, **kwargs)
+    op, ref = (kda_xla.kda, kda_reference.kda) if per_channel else (gdn_xla.gated_delta_rule,
+                                                                      gdn_reference.gated_delta_rule)
+    out = op(**{name: jnp.asarray(x) for name, x in inputs.items()}, **kwargs, chunk_size=16,
+             checkpoint_method=method)
     assert out[0].dtype == jnp.bfloat16 and out[1].dtype == out[2].dtype == jnp.float32
-    assert rel_rms(out[0], expected[0]) <= 1e-2
-    # the reference reads the same bf16 values, so only the output rounding separates the outputs
-    assert rel_rms(out[1], expected[1]) <= FP32_TOL and rel_rms(out[2], expected[2]) <= FP32_TOL
+    # bf16 operands with fp32 accumulation against the float64 recurrence on the same bf16 values
+    assert_matches(out, ref(**inputs, **kwargs), BF16_TOL)
+
+
+@pytest.mark.parametrize("per_channel, method", [(False, "in_chunk"), (False, "forced_break"),
+                                                 (True, "in_chunk"), (True, "forced_break")])
+def test_associative_and_sequential_state_passes_agree(per_channel, method):
+    rng = np.random.default_rng(303 + 2 * per_channel + (method == "in_chunk"))
+    inputs = make_inputs(rng, NUM_TOKENS, 16, 16, per_channel=per_channel)
+    init = make_initial_state(rng, 5, 16, 16, "vk", rows_with_state=(0, 2, 4))
+    op = kda_xla.kda if per_channel else gdn_xla.gated_delta_rule
+    options = dict(use_qk_l2norm=True, state_layout="vk", chunk_size=16, checkpoint_method=method)
+    associative = op(**inputs, **varlen_kwargs(init, **options))
+    sequential = op(**inputs, **varlen_kwargs(init, **options), state_pass="sequential")
+    assert_matches(sequential, associative, 1e-6)
+    if method == "in_chunk":
+        without = op(**inputs, initial_state=init, cu_seqlens=CU_SEQLENS, **options, state_pass="sequential")
+        np.testing.assert_array_equal(sequential[0], without[0])
+        np.testing.assert_array_equal(sequential[1], without[1])
 
 
 def token_scan(q, k, v, g, beta, initial_state, *, checkpoint_at):
@@ -239,6 +260,7 @@ def test_static_validation():
         (dict(state_layout="kvv"), "state_layout: "),
         (dict(chunk_size=0), "chunk_size: "),
         (dict(checkpoint_method="split"), "checkpoint_method: "),
+        (dict(state_pass="parallel"), "state_pass: "),
     ]
     for change, message in bad:
         with pytest.raises(ValueError, match=f"^{message}"):

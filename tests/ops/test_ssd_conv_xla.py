@@ -1,4 +1,5 @@
-"""The chunk-parallel XLA SSD and conv1d against the float64 token-by-token references, and their jax.grad."""
+"""The chunk-parallel XLA SSD and conv1d against the float64 token-by-token references, and their jax.grad; SSD's
+associative and sequential state passes agree."""
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,8 @@ CONV_DIM = 8
 # empty rows, length-1 rows, rows shorter than a conv window, rows spanning several 16-token chunks
 LENGTHS = (0, 1, 37, 2, 70, 0, 17)
 # one compile per configuration instead of op-by-op dispatch; the metadata arrays are traced
-ssd = jax.jit(ssd_xla.ssd, static_argnames=("dt_limit", "state_layout", "chunk_size", "checkpoint_method"))
+ssd = jax.jit(ssd_xla.ssd,
+              static_argnames=("dt_limit", "state_layout", "chunk_size", "checkpoint_method", "state_pass"))
 causal_conv1d = jax.jit(conv_xla.causal_conv1d, static_argnames=("activation",))
 
 
@@ -115,6 +117,22 @@ def test_ssd_in_chunk_is_bitwise_blind_to_checkpoints_and_agrees_with_forced_bre
         assert _rel_rms(a, np.asarray(b, np.float64)) <= 1e-5
 
 
+@pytest.mark.parametrize("method", ["in_chunk", "forced_break"])
+def test_ssd_associative_and_sequential_state_passes_agree(method):
+    rng = np.random.default_rng(19 + (method == "forced_break"))
+    cu, ccu, offsets, num_tokens = _rows(rng, LENGTHS)
+    inputs, initial = _ssd_inputs(rng, num_tokens, len(LENGTHS), groups=2)
+    common = dict(initial_state=initial, cu_seqlens=cu, chunk_size=16, checkpoint_method=method)
+    associative = ssd(*inputs.values(), **common, checkpoint_cu=ccu, checkpoint_offsets=offsets)
+    sequential = ssd(*inputs.values(), **common, checkpoint_cu=ccu, checkpoint_offsets=offsets,
+                     state_pass="sequential")
+    _assert_close(sequential, [np.asarray(a, np.float64) for a in associative], 1e-6)
+    if method == "in_chunk":
+        without = ssd(*inputs.values(), **common, state_pass="sequential")
+        np.testing.assert_array_equal(np.asarray(sequential[0]), np.asarray(without[0]))
+        np.testing.assert_array_equal(np.asarray(sequential[1]), np.asarray(without[1]))
+
+
 def test_ssd_jit_with_traced_metadata_compiles_once():
     rng = np.random.default_rng(11)
     traces = []
@@ -146,8 +164,9 @@ def test_ssd_bfloat16_inputs():
     outputs = ssd(*inputs.values(), **kwargs, chunk_size=16)
     assert outputs[0].dtype == jnp.bfloat16 and outputs[1].dtype == jnp.float32
     expected = ssd_reference.ssd(*inputs.values(), **kwargs)
-    # fp32 arithmetic on exact bf16 inputs: only y's final rounding to bf16 (2^-9 relative) remains
-    assert _rel_rms(outputs[0], expected[0]) <= 4e-3
+    # y: bf16 operands with fp32 accumulation (the bf16 class); the states add x dt B^T through bf16x3 products and
+    # decay in fp32, so they stay close to fp32 accuracy
+    assert _rel_rms(outputs[0], expected[0]) <= 6e-3
     _assert_close(outputs[1:], expected[1:], 1e-5)
 
 
@@ -299,6 +318,7 @@ def test_static_validation_names_the_argument():
         (dict(D=np.zeros(3, np.float32)), "D:"),
         (dict(initial_state=np.zeros((1, H, N, P), np.float32)), "initial_state:"),
         (dict(checkpoint_method="split"), "checkpoint_method:"),
+        (dict(state_pass="parallel"), "state_pass:"),
         (dict(cu_seqlens=np.array([0.0, 10.0])), "cu_seqlens:"),
         (dict(checkpoint_cu=np.zeros(2, np.int32)), "checkpoint_cu and checkpoint_offsets:"),
         (dict(dt_limit=(1.0,)), "dt_limit:"),

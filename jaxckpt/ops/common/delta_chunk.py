@@ -2,11 +2,19 @@
 
 The portable XLA path behind `jaxckpt.ops.gdn.xla` and `jaxckpt.ops.kda.xla`: chunk-local WY/UT form (FLA's
 `chunk_gated_delta_rule` / `chunk_kda`, derivation in the ops' README.md), with every intra-chunk product batched over
-chunks and heads and one `lax.scan` over chunks carrying the fp32 state. Packed varlen rows are gathered into padded
-chunks from the `jaxckpt.plan.layout.chunk_layout` table built on device, so cu_seqlens and the CSR checkpoint arrays
-may be traced: a new batch of the same shapes reuses the compiled program. All arithmetic is fp32 with every matmul at
-`Precision.HIGHEST` (TF32 on GPUs would break the fp32 accuracy class). Plain jnp/lax only, so `jax.grad` works.
+chunks and heads. The fp32 state crosses chunks by a parallel prefix scan over the chunks' affine state maps
+(`jaxckpt.ops.common.affine_scan`, the default `state_pass="associative"`) or by one `lax.scan` step per chunk
+(`state_pass="sequential"`); outputs, final states and checkpoints are then read in parallel from the state entering
+each chunk. Packed varlen rows are gathered into padded chunks from the `jaxckpt.plan.layout.chunk_layout` table built
+on device, so cu_seqlens and the CSR checkpoint arrays may be traced: a new batch of the same shapes reuses the
+compiled program. Plain jnp/lax only, so `jax.grad` works.
 
+Precision follows q, k and v (`affine_scan.matmul_policy`). Any of them wider than 16 bits: every matmul at
+`Precision.HIGHEST` (TF32 on GPUs would break the fp32 accuracy class, rel-RMS <= 1e-5 against float64). All 16-bit:
+bf16 operands with fp32 accumulation for the scores, the chunk maps, v_new and the outputs, and bf16x3 (split into
+high and low bf16 parts) for the products that feed the state: the chunk offsets, the map compositions and the
+checkpoint sums (the bf16 class, rel-RMS <= 6e-3). Decays, the triangular solve, states and everything elementwise stay
+fp32 either way.
 The log decays g must be <= 0 (every gate formula produces that): the intra-chunk factorisations below rely on
 exp(G_i - G_j) <= 1 for j <= i.
 
@@ -22,10 +30,26 @@ Performance notes (XLA:CPU on the shared 2-core dev box, jax 0.11.2, fp32; timin
   1.6 s (most of XLA:CPU's compile time is LLVM optimisation: `--xla_backend_optimization_level=0` takes it to ~1 s).
 - UT transform (by construction, not timed). One unit-lower triangular solve against [beta exp(G) K | beta V] gives
   W and U at once; forming T = (I + A)^-1 first would add two C x C matmuls per chunk.
+
+GPU notes (H200, bf16 q/k/v, K = V = 128, HV = H, before this state pass and precision policy; ms): GDN (B, T, H) =
+(1, 8192, 16) 5.16, (1, 32768, 16) 18.98, (8, 4096, 32) 26.6, against 3.88 / 14.38 / 14.31 for jla's plain-JAX
+chunked path. Two causes, and what replaced them:
+- The sequential pass ran one `lax.scan` step, a few small kernels, per chunk of every row in sequence: 512 dependent
+  steps at T = 32768, C = 64, and also 512 for 8 independent rows of 4096. The associative pass needs about
+  2 log2(NC) dependent levels (18 at NC = 512). It costs the map products instead: M_c = diag(exp(G_last)) -
+  Ktil^T W is K x K, and the up-sweep composes about NC of them (K^3 each), with about 2 NC map-offset products
+  (K^2 V); XLA drops the down-sweep's unused map products. The maps take NC x HV x K x K fp32 (0.5 GB at
+  T = 32768, HV = 16, K = 128; 1 GB at 8 x 4096 with HV = 32), plus a scan level's worth of temporaries.
+- Every matmul ran at HIGHEST in fp32 (no tensor cores), bf16 inputs included; now those take bf16 tensor-core
+  products. bf16x3 costs three bf16 matmuls where it is used; plain bf16 in the compositions was measured (CPU,
+  one row, T = 8192, HV = 2, g ~ -0.001 per token) to double the state error against float64 (1.5e-3 -> 3.3e-3) and
+  push o to 4.4e-3, while bf16x3 keeps the associative pass as accurate as the sequential one (o 3.5e-3, states
+  1.5e-3; bf16x3 offsets alone cut the final-state error 4x against plain bf16 ones).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -33,17 +57,14 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
+from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
 from jaxckpt.plan.conventions import check_positive, check_state_layout
 from jaxckpt.plan.layout import chunk_layout
 
 CHECKPOINT_METHODS = ("in_chunk", "forced_break")
+STATE_PASSES = ("associative", "sequential")
 L2NORM_EPS = 1e-6
 SUB_BLOCK = 8
-_HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _einsum(spec, *operands):
-    return jnp.einsum(spec, *operands, precision=_HIGHEST)
 
 
 def _check_float(x, *, name: str):
@@ -57,7 +78,8 @@ def _check_int_vector(x, *, name: str):
 
 
 def check_static(q, k, v, g, beta, *, per_channel_decay: bool, scale, initial_state, cu_seqlens, checkpoint_cu,
-                 checkpoint_offsets, state_layout: str, chunk_size: int, checkpoint_method: str):
+                 checkpoint_offsets, state_layout: str, chunk_size: int, checkpoint_method: str,
+                 state_pass: str = "associative"):
     """Trace-time checks of shapes, dtypes and options (concrete metadata is validated by the caller)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _check_float(x, name=name)
@@ -87,6 +109,8 @@ def check_static(q, k, v, g, beta, *, per_channel_decay: bool, scale, initial_st
     check_positive(chunk_size, name="chunk_size")
     if checkpoint_method not in CHECKPOINT_METHODS:
         raise ValueError(f"checkpoint_method: must be one of {CHECKPOINT_METHODS}, got {checkpoint_method!r}")
+    if state_pass not in STATE_PASSES:
+        raise ValueError(f"state_pass: must be one of {STATE_PASSES}, got {state_pass!r}")
     num_rows = 1
     if cu_seqlens is not None:
         _check_int_vector(cu_seqlens, name="cu_seqlens")
@@ -122,15 +146,15 @@ def _pair_decays(G):
     return jnp.exp(jnp.where(lower, G[..., :, None, :] - G[..., None, :, :], -jnp.inf))  # [..., C, C, Kg]
 
 
-def _scalar_scores(a, b, G):
+def _scalar_scores(a, b, G, dot):
     """(a_p b^T)_ij exp(G_i - G_j) for j <= i, one decay for all channels.
 
     a [P, ..., C, K] stacks P left operands sharing b [..., C, K] and G [..., C, 1]; returns [P, ..., C, C].
     """
-    return _einsum("p...ik,...jk->p...ij", a, b) * _pair_decays(G)[..., 0]
+    return dot("p...ik,...jk->p...ij", a, b) * _pair_decays(G)[..., 0]
 
 
-def _channel_scores(a, b, G):
+def _channel_scores(a, b, G, dot):
     """sum_c a_pic b_jc exp(G_ic - G_jc) for j <= i, per-channel decays (shapes as `_scalar_scores`, G [..., C, K]).
 
     Rows are split into blocks of SUB_BLOCK with reference row r = the block's first row: for j in earlier blocks,
@@ -147,7 +171,7 @@ def _channel_scores(a, b, G):
         jnp.where(earlier[:, :, None], G_ref[..., :, None, :] - G[..., None, :, :], -jnp.inf))  # [..., nb, C, K]
     a_blk, a_dec_blk = (x.reshape(x.shape[0], *lead, nb, block, head_k) for x in (a, a_dec))
     b_blk, G_blk = (x.reshape(*lead, nb, block, head_k) for x in (b, G))
-    off = _einsum("p...nik,...njk->p...nij", a_dec_blk, b_dec)  # [P, ..., nb, blk, C]
+    off = dot("p...nik,...njk->p...nij", a_dec_blk, b_dec)  # [P, ..., nb, blk, C]
     b_pair = b_blk[..., None, :, :] * _pair_decays(G_blk)  # [..., nb, blk, blk, K]
     diag = jnp.sum(a_blk[..., :, None, :] * b_pair, axis=-1)  # [P, ..., nb, blk, blk]
     on_diag = jnp.eye(nb, dtype=bool)[:, None, :, None]  # [nb, 1, nb, 1]
@@ -157,7 +181,7 @@ def _channel_scores(a, b, G):
 
 def chunked_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None, cu_seqlens=None,
                        checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
-                       checkpoint_method="in_chunk"):
+                       checkpoint_method="in_chunk", state_pass="associative"):
     """The gated delta rule over packed varlen rows, chunk-parallel, with checkpoint states.
 
     q, k                # [T, H, K]
@@ -171,7 +195,8 @@ def chunked_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, ini
 
     checkpoint_method "in_chunk" keeps the chunk grid and reads each checkpoint out of its chunk with one masked
     product (outputs and final states bitwise independent of the checkpoints); "forced_break" starts a chunk at every
-    checkpoint, whose state is then the state entering that chunk.
+    checkpoint, whose state is then the state entering that chunk. `state_pass` "associative" carries the state across
+    chunks with a parallel prefix scan over the chunk affine maps, "sequential" with one `lax.scan` step per chunk.
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padding tokens and padded checkpoint entries give zeros.
@@ -180,6 +205,7 @@ def chunked_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, ini
     num_v_heads, head_v = v.shape[1:]
     out_dtype = v.dtype
     f32 = jnp.float32
+    dot, state_dot = matmul_policy(q.dtype, k.dtype, v.dtype)
     if scale is None:
         scale = head_k ** -0.5
     if cu_seqlens is None:
@@ -223,28 +249,40 @@ def chunked_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, ini
     scores = _scalar_scores if g.shape[-1] == 1 else _channel_scores
 
     # k and q share the right operand and the decays: one call gives A's scores and the output's A_qk
-    A_kk, A_qk = scores(jnp.stack([k_c, q_c]), k_c, G)  # [NC, HV, C, C] each, lower incl. diagonal
+    A_kk, A_qk = scores(jnp.stack([k_c, q_c]), k_c, G, dot)  # [NC, HV, C, C] each, lower incl. diagonal
     A = jnp.where(pos[:, None] > pos[None, :], A_kk, 0) * beta_c  # strictly lower
     rhs = jnp.concatenate([beta_c * jnp.exp(G) * k_c, beta_c * v_c], axis=-1)  # [NC, HV, C, K + V]
     wu = solve_triangular(A, rhs, lower=True, unit_diagonal=True)
     W, U = wu[..., :head_k], wu[..., head_k:]  # [NC, HV, C, K], [NC, HV, C, V]
     k_dec = k_c * jnp.exp(G_last - G)  # [NC, HV, C, K]
     decay_last = jnp.exp(G_last).swapaxes(-1, -2)  # [NC, HV, Kg, 1]
+    first = lay.chunk_first[:, None, None, None]
+    init_c = init[lay.chunk_row]  # [NC, HV, K, V]
 
-    def step(S, xs):
-        W, U, k_dec, decay_last, first, row = xs
-        S = jnp.where(first, init[row], S)  # [HV, K, V]
-        v_new = U - _einsum("hck,hkv->hcv", W, S)
-        S = decay_last * S + _einsum("hck,hcv->hkv", k_dec, v_new)
-        return S, (S, v_new)
+    if state_pass == "sequential":
+        def step(S, xs):
+            W, U, k_dec, decay_last, first, row = xs
+            S = jnp.where(first, init[row], S)  # [HV, K, V]
+            S = decay_last * S + state_dot("hck,hcv->hkv", k_dec, U - dot("hck,hkv->hcv", W, S))
+            return S, S
 
-    S0 = jnp.zeros((num_v_heads, head_k, head_v), f32)
-    _, (S_after, v_new) = jax.lax.scan(step, S0, (W, U, k_dec, decay_last, lay.chunk_first, lay.chunk_row))
-    # the state entering each chunk, rebuilt exactly as `step` formed it (saves emitting a second [NC, HV, K, V])
-    S_prev = jnp.concatenate([S0[None], S_after[:-1]], axis=0)
-    S_enter = jnp.where(lay.chunk_first[:, None, None, None], init[lay.chunk_row], S_prev)  # [NC, HV, K, V]
+        S0 = jnp.zeros((num_v_heads, head_k, head_v), f32)
+        _, S_after = jax.lax.scan(step, S0, (W, U, k_dec, decay_last, lay.chunk_first, lay.chunk_row))
+    else:
+        # chunk c maps S to decay_last S + k_dec^T (U - W S); a row's first chunk reads its initial state instead,
+        # so its linear part is 0 and the initial state goes into its offset (no reset flag needed)
+        init_first = jnp.where(first, init_c, 0)  # [NC, HV, K, V]
+        eye = jnp.eye(head_k, dtype=f32)
+        maps = jnp.where(first, 0, eye * decay_last - dot("nhck,nhcj->nhkj", k_dec, W))  # [NC, HV, K, K]
+        offsets = decay_last * init_first + state_dot("nhck,nhcv->nhkv", k_dec,
+                                                      U - dot("nhck,nhkv->nhcv", W, init_first))
+        # [NC, HV, K, V] the state after each chunk
+        S_after = affine_scan(maps, offsets, apply=functools.partial(state_dot, "nhij,nhjv->nhiv"))
+    S_prev = jnp.concatenate([jnp.zeros_like(S_after[:1]), S_after[:-1]], axis=0)
+    S_enter = jnp.where(first, init_c, S_prev)  # [NC, HV, K, V]
+    v_new = U - dot("nhck,nhkv->nhcv", W, S_enter)  # [NC, HV, C, V]
 
-    o_c = _einsum("nhck,nhkv->nhcv", q_c * jnp.exp(G), S_enter) + _einsum("nhij,nhjv->nhiv", A_qk, v_new)
+    o_c = dot("nhck,nhkv->nhcv", q_c * jnp.exp(G), S_enter) + dot("nhij,nhjv->nhiv", A_qk, v_new)
     o = jnp.moveaxis(o_c, 1, 2)[lay.token_chunk, lay.token_pos]  # [T, HV, V]
     o = jnp.where(lay.token_valid[:, None, None], o, 0)[:num_tokens].astype(out_dtype)
 
@@ -259,7 +297,7 @@ def chunked_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, ini
         G_m, jnp.maximum(r - 1, 0)[:, None, None, None], axis=2)[:, :, 0], 0)  # [M, HV, Kg]
     before = (pos[None, :] < r[:, None])[:, None, :, None]  # [M, 1, C, 1]
     k_m = k_c[c] * jnp.exp(jnp.where(before, G_r[:, :, None, :] - G_m, -jnp.inf))  # [M, HV, C, K]
-    checkpoint_states = jnp.exp(G_r)[..., None] * S_enter[c] + _einsum("mhck,mhcv->mhkv", k_m, v_new[c])
+    checkpoint_states = jnp.exp(G_r)[..., None] * S_enter[c] + state_dot("mhck,mhcv->mhkv", k_m, v_new[c])
     checkpoint_states = jnp.where(lay.checkpoint_valid[:, None, None, None], checkpoint_states, 0)
 
     if state_layout == "vk":

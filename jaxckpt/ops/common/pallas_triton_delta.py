@@ -2,25 +2,36 @@
 exporting checkpoint states from inside the sequential pass.
 
 The math (WY/UT form, in-chunk checkpoint formula) is in `jaxckpt/ops/gdn/README.md` and `jaxckpt/ops/kda/README.md`.
-Four launches, FLA-like (`chunk_gated_delta_rule` / `chunk_kda`):
+Four launches, FLA-like (`chunk_gated_delta_rule` / `chunk_kda`); `version=2` (default):
 
 1. `_cumsum_kernel`, grid (chunk, value head): chunk-local inclusive cumulative log decay G, written chunk-major
    [HV, NC, C(, K)] in fp32. A separate pass because every later kernel reads sub-tiles and single rows of G, and
    register tiles cannot be sliced in the Triton lowering (no `slice` rule).
-2. `_intra_kernel`, grid (chunk, value head): A = strictly-lower beta-scaled key scores, T = (I + A)^-1,
-   W = T (beta exp(G) K), U = T (beta V), all on 16-row sub-blocks (static loops over C / 16 <= 4 blocks, so no
-   tile is ever sliced or concatenated): T's diagonal 16x16 blocks by forward substitution (15 masked row updates),
-   off-diagonal blocks by the block merge T_IJ = -T_II sum_{J<=k<I} A_Ik T_kJ. KDA's off-diagonal score blocks use
-   the reference-row factorisation exp(G_i - G_r) exp(G_r - G_j) with r the block's first row (both factors <= 1,
-   one matmul); its diagonal blocks are exact, one key column per step of a 16-step loop (pairwise exps, as FLA's
-   default "token-parallel" path; no bounded-gate assumption).
-3. `_state_kernel`, grid (row, value head, V block): S [K, BV] fp32 carried through a loop over the row's chunks
-   (count read from the chunk table), writes the chunk-entry state h and v_new = U - W S, then
-   S <- exp(G_last) S + (K exp(G_last - G))^T v_new. At each chunk holding checkpoints (CSR range per chunk), the
-   same launch writes exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T in fp32 (r = 0 gives S exactly);
-   the carried state never depends on them, so outputs and final states are bitwise unchanged by checkpoints.
-4. `_output_kernel`, grid (chunk, value head, V block): O = scale [(Q exp(G)) h + (tril(Q K^T) exp(G_i - G_j)) v_new];
-   KDA builds the query scores per 16-row block as in (2), inclusive diagonal.
+2. `_intra_kernel_v2`, grid (chunk, value head): everything that does not need the carried state, on 16-row
+   sub-blocks (static loops over C / 16 <= 4 blocks, so no tile is ever sliced): A = strictly-lower beta-scaled key
+   scores, T = (I + A)^-1, W = T (beta exp(G) K), U = T (beta V), and for the later passes KD = K exp(G_last - G),
+   QG = scale Q exp(G) and the inclusive query scores AQK = scale tril(Q K^T exp(G_i - G_j)). T's diagonal 16x16
+   blocks by recursive doubling (T_2s = T_s - T_s A_s T_s, three pairs of IEEE dots, no loop), off-diagonal blocks
+   by the block merge T_IJ = -T_II sum_{J<=k<I} A_Ik T_kJ. KDA's off-diagonal score blocks use the reference-row
+   factorisation exp(G_i - G_r) exp(G_r - G_j) with r the block's first row (both factors <= 1, one matmul); its
+   diagonal blocks split every strictly-lower pair into the (lower half, upper half) quadrant of one 2s-row block,
+   s = 8, 4, 2, 1, and factorise there about the block's middle row: both factors <= 1 again, so the scores are
+   exact without a gate bound, at one exp and one dot per level (`_diag_block_scores`).
+3. `_state_kernel_v2`, grid (row, value head, V block): S [K, BV] fp32 carried through the row's chunks,
+   v_new = U - W S, S <- exp(G_last) S + KD^T v_new, writing the chunk-entry state h and v_new (or, with
+   `fuse_output`, O = QG S + AQK v_new directly, making step 4 unnecessary). The chunk loop body is straight-line:
+   Triton software-pipelines only innermost loops without branches, so the loop is cut into segments at the chunks
+   holding checkpoints (per row, a CSR range of those chunks, precomputed in jnp); the checkpoint chunk itself runs
+   the same step plus, for each of its checkpoints, exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T in
+   fp32 (r = 0 gives S exactly). The carried state never depends on them, so outputs and final states are bitwise
+   unchanged by checkpoints. Token rows are addressed from the row start (a row's chunks are contiguous), so the
+   loop loads no per-chunk metadata.
+4. `_output_kernel_v2`, grid (chunk, value head, V block): O = QG h + AQK v_new.
+
+`version=1` is the first design, kept selectable for comparison: the same four launches, but T's diagonal blocks by
+forward substitution (15 masked row updates), KDA's diagonal score blocks by a 16-step exact loop of pairwise exps
+(in both the intra and the output kernel), and a state loop that looks up each chunk's checkpoint range and runs a
+(usually empty) inner loop in every chunk, which stops Triton pipelining it.
 
 Varlen rows and checkpoints come from `jaxckpt.plan.layout.chunk_layout(..., xp=jnp)` (traced metadata, one compile
 per shape), passed as ordinary int32 refs: the Triton lowering has no scalar prefetch, so scalars are read in-kernel
@@ -29,10 +40,11 @@ no-op of the recurrence: k = v = beta = g = 0). Intermediates (W, U, v_new, h) l
 [HV, NC, C | K, ...], so those loads are unmasked and every tile is a power of two.
 
 Precision. fp32 inputs: every dot at Precision.HIGHEST (IEEE fp32; interpret mode on CPU computes in fp32 anyway).
-16-bit inputs: intermediates W, U, v_new, h are stored in the input dtype (as FLA), the bulk products (K K^T,
-Q K^T, Q h, A v_new) are 16-bit x 16-bit dots with fp32 accumulation, and the accuracy-critical ones (solve merges,
-W, U, the state update and the checkpoint export) run on fp32 operands at default precision, i.e. TF32 on the GPU.
-The carried state, final and checkpoint states are fp32 throughout.
+16-bit inputs: intermediates W, U, KD, QG, AQK, v_new, h are stored in the input dtype (as FLA), the bulk products
+(GDN's K K^T and Q K^T, Q h or QG S, A v_new) are 16-bit x 16-bit dots with fp32 accumulation, and the
+accuracy-critical ones (KDA scores, solve merges, W, U, the state update and the checkpoint export) run on fp32
+operands at default precision, i.e. TF32 on the GPU; the 16x16 diagonal inverses are IEEE fp32. The carried state,
+final and checkpoint states are fp32 throughout.
 
 The log decays g must be <= 0 (every gate formula gives that): the factorisations rely on exp(G_i - G_j) <= 1 for
 j <= i; the masked exponents are set to -inf before exp, never exponentiated unmasked.
@@ -53,7 +65,8 @@ CHUNK_SIZES = (16, 32, 64)
 SUB = 16
 MAX_HEAD_DIM = 256
 L2NORM_EPS = 1e-6
-TUNING_KEYS = ("num_warps", "num_stages", "block_v", "intra_num_warps", "output_block_v")
+TUNING_KEYS = ("num_warps", "num_stages", "block_v", "intra_num_warps", "output_block_v", "version",
+               "fuse_output")
 _HIGHEST = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
 
@@ -82,6 +95,10 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
         bv = tuning.get(key)
         if bv is not None and (not _is_pow2(bv) or not SUB <= bv <= head_v):
             return f"tuning: {key} must be a power of two in [{SUB}, V={head_v}], got {bv!r}"
+    if tuning.get("version", 2) not in (1, 2):
+        return f"tuning: version must be 1 or 2, got {tuning['version']!r}"
+    if tuning.get("fuse_output") and tuning.get("version", 2) != 2:
+        return "tuning: fuse_output needs version 2"
     if not interpret and jax.default_backend() != "gpu":
         return f"backend: the Triton kernels need a GPU (or interpret=True), got {jax.default_backend()!r}"
     return None
@@ -274,21 +291,8 @@ def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkp
             decay_last = jnp.exp(G_last)
 
         if has_checkpoints:
-            def checkpoint_step(m, carry):
-                r = ck_pos_ref[m]
-                G_r = _pick_row(G_c, rows, r - 1)  # r = 0: G_r = 0 and no rows below, the state is S itself
-                before = (rows < r)[:, None] if channel else rows < r
-                if channel:
-                    k_r = k_c * _decay(G_r[None, :], G_c, before, channel=True)
-                    state = jnp.exp(G_r)[:, None] * S
-                else:
-                    k_r = k_c * jnp.exp(jnp.where(before, G_r - G_c, -jnp.inf))[:, None]
-                    state = jnp.exp(G_r) * S
-                ckpt_ref[m, h, :, cols] = state + dots.exact(k_r, v_new, _TN)
-                return carry
-
-            base = ck_start_ref[c]
-            jax.lax.fori_loop(base, base + ck_count_ref[c], checkpoint_step, 0)
+            _checkpoints_in_chunk(ck_start_ref[c], ck_count_ref[c], ck_pos_ref, ckpt_ref, S, k_c, G_c, v_new, h=h,
+                                  cols=cols, rows=rows, channel=channel, dots=dots)
         return decay_last * S + dots.exact(k_dec, v_new, _TN)
 
     S = jax.lax.fori_loop(0, count_ref[n], chunk_step, S0)
@@ -339,6 +343,239 @@ def _output_kernel(start_ref, len_ref, q_ref, k_ref, G_ref, h_ref, vnew_ref, o_r
                       mask=_row_mask(rows, length, (SUB, block_v)))
 
 
+def _doubling_inverse(A):
+    """(I + A)^-1 of a strictly lower-triangular [SUB, SUB] tile by recursive doubling, no loop.
+
+    With T_s the block-diagonal inverse on s-row blocks, T_2s = T_s - T_s A_s T_s, A_s = A restricted to the pairs
+    (lower half, upper half) of each 2s-row block; T_2 = I - A_1 needs no product. IEEE fp32 dots (tiny tiles).
+    """
+    rows = jnp.arange(SUB, dtype=jnp.int32)
+    T = jnp.where(rows[:, None] == rows[None, :], 1.0, 0.0) - jnp.where(_half_pairs(rows, 1), A, 0.0)
+    for s in (2, 4, 8):
+        A_s = jnp.where(_half_pairs(rows, s), A, 0.0)
+        T = T - _ieee(T, _ieee(A_s, T))
+    return T
+
+
+def _ieee(a, b):
+    return jax.lax.dot(a, b, precision=_HIGHEST, preferred_element_type=_F32)
+
+
+def _half_pairs(rows, s):
+    """[R, R] mask of the pairs (i, j) in one 2s-row block with i in its lower half and j in its upper half."""
+    lower = rows % (2 * s) >= s
+    same = (rows // (2 * s))[:, None] == (rows // (2 * s))[None, :]
+    return same & lower[:, None] & ~lower[None, :]
+
+
+def _diag_block_scores(lhs, k_I, G_I, G_rows, dots):
+    """Exact per-channel scores sum_c a_ic k_jc exp(G_ic - G_jc), j < i, of one diagonal [SUB, SUB] block per a in lhs.
+
+    Every strictly-lower pair lies in exactly one (lower half, upper half) quadrant of a 2s-row block, s in
+    8, 4, 2, 1; there the reference-row factorisation exp(G_i - G_r) exp(G_r - G_j) with r the block's middle row has
+    both factors <= 1 (g <= 0), so it is exact without any gate bound: one exp and one dot per level, no loop.
+    G_rows(idx) gathers the rows idx [SUB] of G -> [SUB, K].
+    """
+    rows = jnp.arange(SUB, dtype=jnp.int32)
+    outs = [jnp.zeros((SUB, SUB), _F32) for _ in lhs]
+    for s in (8, 4, 2, 1):
+        ref = rows // (2 * s) * (2 * s) + s
+        lower = (rows % (2 * s) >= s)[:, None]
+        G_r = G_rows(ref)  # [SUB, K]
+        e = jnp.exp(jnp.where(lower, G_I - G_r, G_r - G_I))  # both exponents <= 0
+        b = k_I * jnp.where(lower, 0.0, e)
+        keep = _half_pairs(rows, s)
+        outs = [o + jnp.where(keep, dots.exact(a * jnp.where(lower, e, 0.0), b, _NT), 0.0) for o, a in zip(outs, lhs)]
+    return outs
+
+
+def _intra_kernel_v2(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref, aqk_ref,
+                     *, chunk, group, channel, scale, dots):
+    c, h = pl.program_id(0), pl.program_id(1)
+    hk = h // group
+    start, length = start_ref[c], len_ref[c]
+    head_k, head_v = k_ref.shape[-1], v_ref.shape[-1]
+    nb = chunk // SUB
+    sub_rows = jnp.arange(SUB, dtype=jnp.int32)
+    G_last = G_ref[chunk - 1, :] if channel else G_ref[chunk - 1]  # padded rows have g = 0: the last real token's
+    k_blk, q_blk, kf_blk, qf_blk, kb_blk, vb_blk, b_blk, G_blk = [], [], [], [], [], [], [], []
+    for J in range(nb):
+        rows = J * SUB + sub_rows
+        mask = _row_mask(rows, length, (SUB, head_k))
+        k_J = plt.load(k_ref.at[pl.ds(start + J * SUB, SUB), hk, :], mask=mask, other=0)  # [SUB, K] input dtype
+        q_J = plt.load(q_ref.at[pl.ds(start + J * SUB, SUB), hk, :], mask=mask, other=0)
+        v_J = _load_tokens(v_ref.at[pl.ds(start + J * SUB, SUB), h, :], rows, length, (SUB, head_v))
+        b_J = _load_tokens(beta_ref.at[pl.ds(start + J * SUB, SUB), h], rows, length, (SUB,))
+        G_J = G_ref[pl.ds(J * SUB, SUB), :] if channel else G_ref[pl.ds(J * SUB, SUB)]
+        gamma = jnp.exp(G_J) if channel else jnp.exp(G_J)[:, None]
+        to_last = jnp.exp(G_last[None, :] - G_J) if channel else jnp.exp(G_last - G_J)[:, None]
+        kf, qf = k_J.astype(_F32), q_J.astype(_F32)
+        kd_ref[pl.ds(J * SUB, SUB), :] = (kf * to_last).astype(kd_ref.dtype)
+        qg_ref[pl.ds(J * SUB, SUB), :] = (scale * qf * gamma).astype(qg_ref.dtype)
+        k_blk.append(k_J)
+        q_blk.append(q_J)
+        kf_blk.append(kf)
+        qf_blk.append(qf)
+        b_blk.append(b_J)
+        G_blk.append(G_J)
+        kb_blk.append(b_J[:, None] * gamma * kf)
+        vb_blk.append(b_J[:, None] * v_J)
+
+    A = {}
+    for I in range(nb):
+        if channel:
+            G_r = G_ref[I * SUB, :]  # [K] reference row of the off-diagonal blocks: the first row of block I
+            to_r = jnp.exp(G_blk[I] - G_r[None, :])
+            G_rows = functools.partial(_gather_rows, G_ref, I * SUB)
+            kk, qk = _diag_block_scores([kf_blk[I], qf_blk[I]], kf_blk[I], G_blk[I], G_rows, dots)
+            qk = qk + jnp.where(sub_rows[:, None] == sub_rows[None, :],
+                                jnp.sum(qf_blk[I] * kf_blk[I], axis=1)[:, None], 0.0)
+        else:
+            kk = dots.bulk(k_blk[I], k_blk[I], _NT) * _decay(G_blk[I], G_blk[I], sub_rows[:, None] > sub_rows[None, :],
+                                                             channel=False)
+            qk = dots.bulk(q_blk[I], k_blk[I], _NT) * _decay(G_blk[I], G_blk[I],
+                                                             sub_rows[:, None] >= sub_rows[None, :], channel=False)
+        A[I, I] = b_blk[I][:, None] * kk
+        aqk_ref[pl.ds(I * SUB, SUB), pl.ds(I * SUB, SUB)] = (scale * qk).astype(aqk_ref.dtype)
+        for J in range(I):
+            if channel:
+                b = kf_blk[J] * jnp.exp(G_r[None, :] - G_blk[J])
+                kk = dots.exact(kf_blk[I] * to_r, b, _NT)
+                qk = dots.exact(qf_blk[I] * to_r, b, _NT)
+            else:
+                decay = _decay(G_blk[I], G_blk[J], channel=False)
+                kk = dots.bulk(k_blk[I], k_blk[J], _NT) * decay
+                qk = dots.bulk(q_blk[I], k_blk[J], _NT) * decay
+            A[I, J] = b_blk[I][:, None] * kk
+            aqk_ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] = (scale * qk).astype(aqk_ref.dtype)
+        for J in range(I + 1, nb):
+            aqk_ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+
+    T = {}
+    for I in range(nb):
+        T[I, I] = _doubling_inverse(A[I, I])
+        for J in range(I):
+            acc = sum(dots.exact(A[I, m], T[m, J]) for m in range(J, I))
+            T[I, J] = -dots.exact(T[I, I], acc)
+        w_I = sum(dots.exact(T[I, J], kb_blk[J]) for J in range(I + 1))
+        u_I = sum(dots.exact(T[I, J], vb_blk[J]) for J in range(I + 1))
+        w_ref[pl.ds(I * SUB, SUB), :] = w_I.astype(w_ref.dtype)
+        u_ref[pl.ds(I * SUB, SUB), :] = u_I.astype(u_ref.dtype)
+
+
+def _gather_rows(G_ref, base, idx):
+    return G_ref[base + idx, :]
+
+
+def _state_kernel_v2(*refs, chunk, group, channel, block_v, has_initial, has_checkpoints, fused, dots):
+    refs = list(refs)
+    take = lambda count: [refs.pop(0) for _ in range(count)]
+    cu_ref, first_ref, count_ref = take(3)
+    if has_checkpoints:
+        seg_lo_ref, seg_hi_ref, seg_chunk_ref, ck_start_ref, ck_count_ref, ck_pos_ref, k_ref = take(7)
+    G_ref, w_ref, u_ref, kd_ref = take(4)
+    if fused:
+        qg_ref, aqk_ref = take(2)
+    init_ref = refs.pop(0) if has_initial else None
+    if fused:
+        o_ref, final_ref, ckpt_ref = refs
+    else:
+        h_ref, vnew_ref, final_ref, ckpt_ref = refs
+    n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
+    cols = pl.ds(j * block_v, block_v)
+    rows = jnp.arange(chunk, dtype=jnp.int32)
+    head_k = kd_ref.shape[-1]
+    row_start = cu_ref[n]
+    row_len = cu_ref[n + 1] - row_start
+    first = first_ref[n]
+    if has_initial:
+        S0 = init_ref[n, h, :, cols].astype(_F32)
+    else:
+        S0 = jnp.zeros((head_k, block_v), _F32)
+
+    def chunk_step(i, S, *, checkpoints=False):
+        # straight-line unless `checkpoints`: branches and inner loops here would stop Triton pipelining the loop
+        c = first + i
+        start = row_start + i * chunk  # a row's chunks are contiguous: no per-chunk metadata load
+        length = jnp.minimum(chunk, row_len - i * chunk)
+        v_new = u_ref[h, c, :, cols].astype(_F32) - dots.exact(w_ref[h, c], S)  # [C, BV]
+        if fused:
+            o = dots.bulk(qg_ref[h, c], S) + dots.bulk(aqk_ref[h, c], v_new)
+            plt.store(o_ref.at[pl.ds(start, chunk), h, cols], o.astype(o_ref.dtype),
+                      mask=_row_mask(rows, length, (chunk, block_v)))
+        else:
+            h_ref[h, c, :, cols] = S.astype(h_ref.dtype)
+            vnew_ref[h, c, :, cols] = v_new.astype(vnew_ref.dtype)
+        decay_last = jnp.exp(G_ref[h, c, chunk - 1, :])[:, None] if channel else jnp.exp(G_ref[h, c, chunk - 1])
+        if checkpoints:
+            k_c = _load_tokens(k_ref.at[pl.ds(start, chunk), hk, :], rows, length, (chunk, head_k))
+            _checkpoints_in_chunk(ck_start_ref[c], ck_count_ref[c], ck_pos_ref, ckpt_ref, S, k_c, G_ref[h, c],
+                                  v_new, h=h, cols=cols, rows=rows, channel=channel, dots=dots)
+        return decay_last * S + dots.exact(kd_ref[h, c], v_new, _TN)
+
+    def run(lo, hi, S):
+        return jax.lax.fori_loop(lo, hi, chunk_step, S)
+
+    if has_checkpoints:
+        def segment(s, carry):
+            i0, S = carry
+            i_ck = seg_chunk_ref[s] - first
+            S = chunk_step(i_ck, run(i0, i_ck, S), checkpoints=True)
+            return i_ck + 1, S
+
+        i0, S = jax.lax.fori_loop(seg_lo_ref[n], seg_hi_ref[n], segment, (jnp.int32(0), S0))
+        S = run(i0, count_ref[n], S)
+    else:
+        S = run(0, count_ref[n], S0)
+    final_ref[n, h, :, cols] = S
+
+
+def _checkpoints_in_chunk(base, count, pos_ref, ckpt_ref, S, k_c, G_c, v_new, *, h, cols, rows, channel, dots):
+    """Checkpoints [base, base + count) inside one chunk: exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T.
+
+    S is the chunk-entry state, k_c [C, K] fp32, G_c [C(, K)], v_new [C, BV] fp32; r = 0 gives S exactly.
+    """
+    def step(m, carry):
+        r = pos_ref[m]
+        G_r = _pick_row(G_c, rows, r - 1)  # r = 0: G_r = 0 and no rows below, the state is S itself
+        before = (rows < r)[:, None] if channel else rows < r
+        if channel:
+            k_r = k_c * _decay(G_r[None, :], G_c, before, channel=True)
+            state = jnp.exp(G_r)[:, None] * S
+        else:
+            k_r = k_c * jnp.exp(jnp.where(before, G_r - G_c, -jnp.inf))[:, None]
+            state = jnp.exp(G_r) * S
+        ckpt_ref[m, h, :, cols] = state + dots.exact(k_r, v_new, _TN)
+        return carry
+
+    jax.lax.fori_loop(base, base + count, step, 0)
+
+
+def _output_kernel_v2(start_ref, len_ref, qg_ref, aqk_ref, h_ref, vnew_ref, o_ref, *, chunk, block_v, dots):
+    c, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, length = start_ref[c], len_ref[c]
+    rows = jnp.arange(chunk, dtype=jnp.int32)
+
+    @pl.when(length > 0)
+    def _():
+        o = dots.bulk(qg_ref[...], h_ref[...]) + dots.bulk(aqk_ref[...], vnew_ref[...])
+        plt.store(o_ref.at[pl.ds(start, chunk), h, pl.ds(j * block_v, block_v)], o.astype(o_ref.dtype),
+                  mask=_row_mask(rows, length, (chunk, block_v)))
+
+
+def _checkpoint_segments(lay, checkpoint_cu):
+    """The distinct chunks holding checkpoints, ascending (i32[max(M, 1)]), and each row's range of them (CSR)."""
+    chunk = lay.checkpoint_chunk
+    num_ckpt = chunk.shape[0]
+    prev = jnp.concatenate([jnp.full(1, -1, jnp.int32), chunk[:-1]])
+    is_first = lay.checkpoint_valid & (chunk != prev)  # valid entries are chunk-sorted
+    seg_cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(is_first).astype(jnp.int32)])  # i32[M + 1]
+    slot = jnp.where(is_first, seg_cu[:-1], num_ckpt)
+    seg_chunk = jnp.zeros(num_ckpt + 1, jnp.int32).at[slot].set(chunk, mode="drop")
+    return seg_cu[checkpoint_cu[:-1]], seg_cu[checkpoint_cu[1:]], seg_chunk
+
+
 def _l2norm(x):
     x32 = x.astype(_F32)
     return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
@@ -355,7 +592,8 @@ def _checkpoint_ranges(lay, num_chunks):
 
 def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm=False, initial_state=None,
                cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
-               interpret=False, num_warps=4, num_stages=2, block_v=None, intra_num_warps=4, output_block_v=None):
+               interpret=False, num_warps=4, num_stages=2, block_v=None, intra_num_warps=4, output_block_v=None,
+               version=2, fuse_output=False):
     """The gated delta rule over packed varlen rows with checkpoint states, as four Pallas Triton launches.
 
     q, k                # [T, H, K]
@@ -367,8 +605,9 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     checkpoint_cu       # i32[N + 1] with checkpoint_offsets i32[M]; both None = no checkpoints
     Inputs are checked by the op wrappers; metadata values are trusted. `scale` is a Python number (None: K^-1/2).
     Tuning: num_warps / num_stages (state and output kernels), intra_num_warps, block_v (state pass V tile,
-    default min(V, 64)), output_block_v (output kernel V tile, default min(V, 64) for GDN, V for KDA, whose query
-    scores are rebuilt per V tile).
+    default min(V, 64)), output_block_v (output kernel V tile, default min(V, 64); version 1 KDA: V, its query
+    scores are rebuilt per V tile), version (2: the kernels of the module docstring, 1: the first design, kept for
+    comparison), fuse_output (version 2: the state pass writes O itself, three launches).
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padded checkpoint entries are unspecified.
@@ -385,14 +624,16 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     io_dtype = _F32 if jnp.dtype(io_dtype).itemsize >= 4 else jnp.dtype(io_dtype)
     dots = _Dots(io_dtype)
     block_v = block_v or min(head_v, 64)
-    output_block_v = output_block_v or (head_v if channel else min(head_v, 64))
+    output_block_v = output_block_v or (head_v if channel and version == 1 else min(head_v, 64))
 
     if cu_seqlens is None:
         cu_seqlens = jnp.array([0, num_tokens], jnp.int32)
+    cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
     num_rows = cu_seqlens.shape[0] - 1
     if checkpoint_cu is None:
         checkpoint_cu = jnp.zeros(num_rows + 1, jnp.int32)
         checkpoint_offsets = jnp.zeros(0, jnp.int32)
+    checkpoint_cu = jnp.asarray(checkpoint_cu, jnp.int32)
     num_ckpt = checkpoint_offsets.shape[0]
 
     if use_qk_l2norm:
@@ -422,46 +663,87 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     )(lay.chunk_start, lay.chunk_len, g)
 
     chunk_block = lambda width: pl.BlockSpec((None, None, chunk, width), lambda c, h: (h, c, 0, 0))
-    w, u = pl.pallas_call(
-        functools.partial(_intra_kernel, chunk=chunk, group=group, channel=channel, dots=dots),
-        out_shape=(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, head_k), io_dtype),
-                   jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, head_v), io_dtype)),
-        grid=(num_chunks, num_v_heads), in_specs=[full, full, full, full, full, G_block],
-        out_specs=(chunk_block(head_k), chunk_block(head_v)),
-        compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_intra",
-    )(lay.chunk_start, lay.chunk_len, k, v, beta, G)
-
-    state_inputs = [lay.row_first_chunk, lay.row_num_chunks, lay.chunk_start, lay.chunk_len, ck_start, ck_count,
-                    ck_pos, k, G, w, u]
+    chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), io_dtype)
+    init = None
     if initial_state is not None:
         init = initial_state.astype(_F32)
-        state_inputs.append(init.swapaxes(-1, -2) if state_layout == "vk" else init)
+        init = init.swapaxes(-1, -2) if state_layout == "vk" else init
     kv = (head_k, head_v)
-    h_states, v_new, final_state, checkpoint_states = pl.pallas_call(
-        functools.partial(_state_kernel, chunk=chunk, group=group, channel=channel, block_v=block_v,
-                          has_initial=initial_state is not None, has_checkpoints=num_ckpt > 0, dots=dots),
-        out_shape=(jax.ShapeDtypeStruct((num_v_heads, num_chunks, *kv), io_dtype),
-                   jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, head_v), io_dtype),
-                   jax.ShapeDtypeStruct((num_rows, num_v_heads, *kv), _F32),
-                   jax.ShapeDtypeStruct((max(num_ckpt, 1), num_v_heads, *kv), _F32)),
-        grid=(num_rows, num_v_heads, head_v // block_v), in_specs=[full] * len(state_inputs),
-        out_specs=(full, full, full, full),
-        compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_state",
-    )(*state_inputs)
-
+    final_shape = jax.ShapeDtypeStruct((num_rows, num_v_heads, *kv), _F32)
+    ckpt_shape = jax.ShapeDtypeStruct((max(num_ckpt, 1), num_v_heads, *kv), _F32)
+    o_shape = jax.ShapeDtypeStruct((q.shape[0], num_v_heads, head_v), out_dtype)
+    state_grid = (num_rows, num_v_heads, head_v // block_v)
     bv = output_block_v
-    o = pl.pallas_call(
-        functools.partial(_output_kernel, chunk=chunk, group=group, channel=channel, block_v=bv, scale=float(scale),
-                          dots=dots),
-        out_shape=jax.ShapeDtypeStruct((q.shape[0], num_v_heads, head_v), out_dtype),
-        grid=(num_chunks, num_v_heads, head_v // bv),
-        in_specs=[full, full, full, full,
-                  pl.BlockSpec((None, None, chunk, *g_tail), lambda c, h, j: (h, c, 0, *(0,) * len(g_tail))),
-                  pl.BlockSpec((None, None, head_k, bv), lambda c, h, j: (h, c, 0, j)),
-                  pl.BlockSpec((None, None, chunk, bv), lambda c, h, j: (h, c, 0, j))],
-        out_specs=full,
-        compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_output",
-    )(lay.chunk_start, lay.chunk_len, q, k, G, h_states, v_new)
+
+    if version == 1:
+        w, u = pl.pallas_call(
+            functools.partial(_intra_kernel, chunk=chunk, group=group, channel=channel, dots=dots),
+            out_shape=(chunk_array(head_k), chunk_array(head_v)),
+            grid=(num_chunks, num_v_heads), in_specs=[full, full, full, full, full, G_block],
+            out_specs=(chunk_block(head_k), chunk_block(head_v)),
+            compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_intra",
+        )(lay.chunk_start, lay.chunk_len, k, v, beta, G)
+        state_inputs = [lay.row_first_chunk, lay.row_num_chunks, lay.chunk_start, lay.chunk_len, ck_start,
+                        ck_count, ck_pos, k, G, w, u] + ([init] if init is not None else [])
+        h_states, v_new, final_state, checkpoint_states = pl.pallas_call(
+            functools.partial(_state_kernel, chunk=chunk, group=group, channel=channel, block_v=block_v,
+                              has_initial=init is not None, has_checkpoints=num_ckpt > 0, dots=dots),
+            out_shape=(jax.ShapeDtypeStruct((num_v_heads, num_chunks, *kv), io_dtype), chunk_array(head_v),
+                       final_shape, ckpt_shape),
+            grid=state_grid, in_specs=[full] * len(state_inputs), out_specs=(full, full, full, full),
+            compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_state",
+        )(*state_inputs)
+        o = pl.pallas_call(
+            functools.partial(_output_kernel, chunk=chunk, group=group, channel=channel, block_v=bv,
+                              scale=float(scale), dots=dots),
+            out_shape=o_shape, grid=(num_chunks, num_v_heads, head_v // bv),
+            in_specs=[full, full, full, full,
+                      pl.BlockSpec((None, None, chunk, *g_tail), lambda c, h, j: (h, c, 0, *(0,) * len(g_tail))),
+                      pl.BlockSpec((None, None, head_k, bv), lambda c, h, j: (h, c, 0, j)),
+                      pl.BlockSpec((None, None, chunk, bv), lambda c, h, j: (h, c, 0, j))],
+            out_specs=full,
+            compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_output",
+        )(lay.chunk_start, lay.chunk_len, q, k, G, h_states, v_new)
+    else:
+        w, u, kd, qg, aqk = pl.pallas_call(
+            functools.partial(_intra_kernel_v2, chunk=chunk, group=group, channel=channel, scale=float(scale),
+                              dots=dots),
+            out_shape=(chunk_array(head_k), chunk_array(head_v), chunk_array(head_k), chunk_array(head_k),
+                       chunk_array(chunk)),
+            grid=(num_chunks, num_v_heads), in_specs=[full] * 6 + [G_block],
+            out_specs=(chunk_block(head_k), chunk_block(head_v), chunk_block(head_k), chunk_block(head_k),
+                       chunk_block(chunk)),
+            compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_intra",
+        )(lay.chunk_start, lay.chunk_len, q, k, v, beta, G)
+        state_inputs = [cu_seqlens, lay.row_first_chunk, lay.row_num_chunks]
+        if num_ckpt > 0:
+            state_inputs += [*_checkpoint_segments(lay, checkpoint_cu), ck_start, ck_count, ck_pos, k]
+        state_inputs += [G, w, u, kd] + ([qg, aqk] if fuse_output else []) + ([init] if init is not None else [])
+        seq_outputs = (o_shape,) if fuse_output else (
+            jax.ShapeDtypeStruct((num_v_heads, num_chunks, *kv), io_dtype), chunk_array(head_v))
+        *seq, final_state, checkpoint_states = pl.pallas_call(
+            functools.partial(_state_kernel_v2, chunk=chunk, group=group, channel=channel, block_v=block_v,
+                              has_initial=init is not None, has_checkpoints=num_ckpt > 0, fused=fuse_output,
+                              dots=dots),
+            out_shape=(*seq_outputs, final_shape, ckpt_shape),
+            grid=state_grid, in_specs=[full] * len(state_inputs), out_specs=(full,) * (len(seq_outputs) + 2),
+            compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_state",
+        )(*state_inputs)
+        if fuse_output:
+            (o,) = seq
+        else:
+            h_states, v_new = seq
+            o = pl.pallas_call(
+                functools.partial(_output_kernel_v2, chunk=chunk, block_v=bv, dots=dots),
+                out_shape=o_shape, grid=(num_chunks, num_v_heads, head_v // bv),
+                in_specs=[full, full,
+                          pl.BlockSpec((None, None, chunk, head_k), lambda c, h, j: (h, c, 0, 0)),
+                          pl.BlockSpec((None, None, chunk, chunk), lambda c, h, j: (h, c, 0, 0)),
+                          pl.BlockSpec((None, None, head_k, bv), lambda c, h, j: (h, c, 0, j)),
+                          pl.BlockSpec((None, None, chunk, bv), lambda c, h, j: (h, c, 0, j))],
+                out_specs=full,
+                compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_output",
+            )(lay.chunk_start, lay.chunk_len, qg, aqk, h_states, v_new)
 
     # tokens past cu_seqlens[-1] and padded CSR entries are never written: zero them rather than leak garbage
     o = jnp.where(lay.token_valid[:, None, None], o, 0)[:num_tokens]

@@ -48,7 +48,8 @@ def kda(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None
     """
     check_static(q, k, v, g, beta, per_channel_decay=True, scale=scale, initial_state=initial_state,
                  cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets,
-                 state_layout=state_layout, chunk_size=chunk_size, checkpoint_method="in_chunk")
+                 state_layout=state_layout, chunk_size=chunk_size, checkpoint_method="in_chunk",
+                 state_pass="sequential")
     reason = supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **tuning)
     if reason is not None:
         raise ValueError(reason)

@@ -1,11 +1,20 @@
 """Chunk-parallel Mamba2 SSD in plain JAX (XLA): outputs, final states and prefill checkpoints in one pass.
 
 The chunked SSD form (kernels.md §2.1; derivation in README.md): per chunk the local decay cumsum, the masked
-intra-chunk product (L o C B^T) (delta x), the local end-of-chunk state, a `lax.scan` carrying the state across
-chunks, and the inter-chunk readout exp(Acs_i) H_c C_i. Rows are packed into chunks by the device-side
-`chunk_layout`, so the whole op works under `jax.jit` with traced `cu_seqlens` / checkpoint arrays (static shapes,
-no host sync) and is differentiable with `jax.grad`. Arithmetic is fp32 at HIGHEST matmul precision (float64 for
-float64 inputs); y comes back in x.dtype, states in the compute dtype.
+intra-chunk product (L o C B^T) (delta x), the local end-of-chunk state, the state carried across chunks, and the
+inter-chunk readout exp(Acs_i) H_c C_i. Rows are packed into chunks by the device-side `chunk_layout`, so the whole op
+works under `jax.jit` with traced `cu_seqlens` / checkpoint arrays (static shapes, no host sync) and is
+differentiable with `jax.grad`.
+
+The carry across chunks is affine with a scalar map per head, H_out = exp(Acs_last) H_in + local, so the default
+`state_pass="associative"` runs it as a parallel prefix scan (`jaxckpt.ops.common.affine_scan`; elementwise, about
+2 log2(NC) dependent levels) instead of one `lax.scan` step per chunk of every row in sequence ("sequential", kept for
+comparison): on a GPU each scan step is a few tiny kernels, and NC reaches 512 at T = 32768, C = 64.
+
+Precision follows x, B and C (`affine_scan.matmul_policy`): fp32 (float64 for float64 x) at HIGHEST matmul precision
+unless all three are 16-bit; then the products take bf16 operands with fp32 accumulation (tensor cores; y in the bf16
+class, rel-RMS <= 6e-3), except those that build states (local states, checkpoint sums), which use bf16x3 and stay
+near fp32 accuracy. y comes back in x.dtype, states in the compute dtype.
 """
 
 from __future__ import annotations
@@ -14,17 +23,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
 from jaxckpt.ops.conv1d.xla import check_float, compute_dtype, packed_metadata
 from jaxckpt.plan.conventions import check_positive, check_state_layout
 from jaxckpt.plan.layout import chunk_layout
 
 CHECKPOINT_METHODS = ("in_chunk", "forced_break")
+STATE_PASSES = ("associative", "sequential")
 # mamba_ssm's `_chunk_cumsum_fwd` returns dt itself above this threshold instead of softplus(dt).
 _SOFTPLUS_THRESHOLD = 20.0
-
-
-def _einsum(spec, *operands):
-    return jnp.einsum(spec, *operands, precision=lax.Precision.HIGHEST)
 
 
 def _softplus(v):
@@ -56,7 +63,7 @@ def _exp_masked(log_ratio, mask):
 
 def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_state=None, cu_seqlens=None,
         checkpoint_cu=None, checkpoint_offsets=None, state_layout="vk", chunk_size=64,
-        checkpoint_method="in_chunk"):
+        checkpoint_method="in_chunk", state_pass="associative"):
     """Chunked SSD scan of packed rows with final and checkpoint states.
 
     x [T, H, P]; dt [T, H] raw (delta = softplus(dt + dt_bias), then clamped to dt_limit = (lo, hi) when given);
@@ -66,7 +73,8 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
 
     `checkpoint_method="in_chunk"` keeps the chunk grid anchored at each row start and reads a checkpoint inside its
     chunk (outputs and final states are bitwise independent of the checkpoints); "forced_break" starts a new chunk
-    at every checkpoint and emits the carried state there.
+    at every checkpoint and emits the carried state there. `state_pass="associative"` carries the state across chunks
+    with a parallel prefix scan over the chunk affine maps, "sequential" with one `lax.scan` step per chunk.
 
     Returns (y [T, H, P] in x.dtype, final_state [N_rows, H, P, N], checkpoint_states [M, H, P, N]) (states
     [.., H, N, P] for "kv", fp32 or float64 for float64 x). Padding tokens past cu_seqlens[N] and padded checkpoint
@@ -76,6 +84,8 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     chunk_size = check_positive(chunk_size, name="chunk_size")
     if checkpoint_method not in CHECKPOINT_METHODS:
         raise ValueError(f"checkpoint_method: must be one of {CHECKPOINT_METHODS}, got {checkpoint_method!r}")
+    if state_pass not in STATE_PASSES:
+        raise ValueError(f"state_pass: must be one of {STATE_PASSES}, got {state_pass!r}")
     x = check_float(x, name="x")  # [T, H, P]
     if x.ndim != 3:
         raise ValueError(f"x: expected [T, H, P], got shape {x.shape}")
@@ -93,6 +103,7 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     C = check_float(C, name="C")  # [T, G, N]
     _check_shape(C, B.shape, name="C", spec="[T, G, N] like B")
     cdt = compute_dtype(x.dtype)
+    dot, state_dot = matmul_policy(x.dtype, B.dtype, C.dtype)
     if D is not None:
         D = check_float(D, name="D").astype(cdt)
         if D.shape == (num_heads,):
@@ -149,25 +160,36 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
 
     causal = pos[:, None] >= pos[None, :]
     L = _exp_masked(acs[:, :, :, None] - acs[:, :, None, :], causal)  # [NC, H, C, C]
-    CB = _einsum("kign,kjgn->kgij", C_c, B_c)  # [NC, G, C, C]
+    CB = dot("kign,kjgn->kgij", C_c, B_c)  # [NC, G, C, C]
     scores = L.reshape(num_chunks, num_groups, reps, chunk_size, chunk_size) * CB[:, :, None]
-    y_intra = _einsum("kgrij,kjgrp->kigrp", scores, xdt)  # [NC, C, G, R, P]
+    y_intra = dot("kgrij,kjgrp->kigrp", scores, xdt)  # [NC, C, G, R, P]
 
-    to_end = jnp.exp(acs[:, :, -1:] - acs).reshape(num_chunks, num_groups, reps, chunk_size)  # [NC, G, R, C]
-    local = _einsum("kgrj,kjgrp,kjgn->kgrpn", to_end, xdt, B_c)
+    to_end = jnp.exp(acs[:, :, -1:] - acs).swapaxes(1, 2).reshape(num_chunks, chunk_size, num_groups, reps)
+    local = state_dot("kjgrp,kjgn->kgrpn", to_end[..., None] * xdt, B_c)
     local = local.reshape(num_chunks, num_heads, head_dim, state_dim)  # [NC, H, P, N] chunk-local end state
     chunk_decay = jnp.exp(acs[:, :, -1])  # [NC, H]
 
-    def step(carry, chunk):
-        first, row, decay, update = chunk
-        entering = jnp.where(first, initial[row], carry)
-        return decay[:, None, None] * entering + update, entering
+    first = layout.chunk_first[:, None, None, None]
+    initial_c = initial[layout.chunk_row]  # [NC, H, P, N]
+    if state_pass == "sequential":
+        def step(carry, chunk):
+            first, row, decay, update = chunk
+            entering = jnp.where(first, initial[row], carry)
+            carry = decay[:, None, None] * entering + update
+            return carry, carry
 
-    _, states = lax.scan(step, jnp.zeros_like(initial[0]),
-                         (layout.chunk_first, layout.chunk_row, chunk_decay, local))  # [NC, H, P, N] entering
+        _, after = lax.scan(step, jnp.zeros_like(initial[0]),
+                            (layout.chunk_first, layout.chunk_row, chunk_decay, local))
+    else:
+        # a row's first chunk reads its initial state instead of the carry: its map is 0, its offset holds the start
+        decay = chunk_decay[:, :, None, None]  # [NC, H, 1, 1]
+        after = affine_scan(jnp.where(first, 0, decay), local + decay * jnp.where(first, initial_c, 0),
+                            apply=jnp.multiply)
+    # [NC, H, P, N] the state after / entering each chunk
+    states = jnp.where(first, initial_c, jnp.concatenate([jnp.zeros_like(after[:1]), after[:-1]], axis=0))
 
     states_g = states.reshape(num_chunks, num_groups, reps, head_dim, state_dim)
-    y_inter = _einsum("kgrpn,kign->kigrp", states_g, C_c)
+    y_inter = dot("kgrpn,kign->kigrp", states_g, C_c)
     y_inter = y_inter * jnp.exp(jnp.swapaxes(acs, 1, 2)).reshape(num_chunks, chunk_size, num_groups, reps)[..., None]
     y_c = (y_intra + y_inter).reshape(num_chunks, chunk_size, num_heads, head_dim)
     y = y_c[layout.token_chunk, layout.token_pos]  # [T, H, P]
@@ -178,8 +200,7 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     y = jnp.where(layout.token_valid[:, None, None], y, 0).astype(x.dtype)
 
     last = jnp.maximum(layout.row_first_chunk + layout.row_num_chunks - 1, 0)
-    final_state = chunk_decay[last][:, :, None, None] * states[last] + local[last]
-    final_state = jnp.where((layout.row_num_chunks > 0)[:, None, None, None], final_state, initial)
+    final_state = jnp.where((layout.row_num_chunks > 0)[:, None, None, None], after[last], initial)
 
     c, r = layout.checkpoint_chunk, layout.checkpoint_pos
     if forced:
@@ -190,8 +211,8 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
         ref = jnp.where((r > 0)[:, None], jnp.take_along_axis(acs_k, jnp.maximum(r - 1, 0)[:, None, None],
                                                                 axis=2)[..., 0], 0)  # [M, H]
         weights = _exp_masked(ref[..., None] - acs_k, pos < r[:, None, None])  # [M, H, C]
-        weights = weights.reshape(-1, num_groups, reps, chunk_size)
-        within = _einsum("mgrj,mjgrp,mjgn->mgrpn", weights, xdt[c], B_c[c])
+        weights = weights.swapaxes(1, 2).reshape(-1, chunk_size, num_groups, reps, 1)
+        within = state_dot("mjgrp,mjgn->mgrpn", weights * xdt[c], B_c[c])
         checkpoint_states = jnp.exp(ref)[..., None, None] * states[c] + within.reshape(states[c].shape)
     checkpoint_states = jnp.where(layout.checkpoint_valid[:, None, None, None], checkpoint_states, 0)
     if state_layout == "kv":
