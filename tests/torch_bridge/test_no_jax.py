@@ -63,3 +63,12 @@ print(spec.num_prefill_checkpoint_blocks, spec.prefill_checkpoint_alignment)
     result = run(code, **env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "1 1"
+
+
+def test_torch_kernels_import_without_jax():
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    result = run("import torch_bridge.ops.ssd, torch_bridge.ops.fla_prefill, torch_bridge.ops.exporter, "
+                 "torch_bridge.interop\nprint('ok')")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

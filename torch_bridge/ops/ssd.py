@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jaxckpt.ops.common.checks import check_dt_limit
 from jaxckpt.plan.conventions import check_state_layout
 from jaxckpt.plan.layout import chunk_layout
 from torch_bridge.interop import check_pool, gather_states, host_metadata, pool_slots, write_states
@@ -208,18 +209,6 @@ def _tensor(t, *, name: str, shape: tuple, spec: str, device, dtypes=_FLOATS) ->
     return t
 
 
-def _dt_limit(dt_limit):
-    if dt_limit is None:
-        return None
-    try:
-        lo, hi = (float(v) for v in dt_limit)
-    except (TypeError, ValueError):
-        raise ValueError(f"dt_limit: expected None or a pair (lo, hi) of numbers, got {dt_limit!r}") from None
-    if not lo <= hi:
-        raise ValueError(f"dt_limit: needs lo <= hi, got ({lo}, {hi})")
-    return lo, hi
-
-
 def _block(size: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(size)))
 
@@ -260,7 +249,7 @@ class _Call:
             dt_bias = torch.zeros(num_heads, dtype=torch.float32, device=device)
         else:
             _tensor(dt_bias, name="dt_bias", shape=(num_heads,), spec="[H]", device=device)
-        self.limit = _dt_limit(dt_limit)
+        self.limit = check_dt_limit(dt_limit)
         self.cu, self.ccu, self.offsets = host_metadata(num_tokens, cu_seqlens, checkpoint_cu, checkpoint_offsets)
         self.x, self.dt, self.B, self.C, self.z = x, dt, B, C, z
         self.A = A.float().contiguous()

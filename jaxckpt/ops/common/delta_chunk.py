@@ -58,6 +58,7 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
+from jaxckpt.ops.common.checks import delta_dims
 from jaxckpt.plan.conventions import check_positive, check_state_layout
 from jaxckpt.plan.layout import chunk_layout
 
@@ -83,25 +84,7 @@ def check_static(q, k, v, g, beta, *, per_channel_decay: bool, scale, initial_st
     """Trace-time checks of shapes, dtypes and options (concrete metadata is validated by the caller)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _check_float(x, name=name)
-    if q.ndim != 3:
-        raise ValueError(f"q: expected [T, H, K], got shape {q.shape}")
-    num_tokens, num_heads, head_k = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k: expected [T, H, K] = {q.shape} like q, got shape {k.shape}")
-    if v.ndim != 3 or v.shape[0] != num_tokens:
-        raise ValueError(f"v: expected [T, HV, V] with T={num_tokens} like q, got shape {v.shape}")
-    num_v_heads, head_v = v.shape[1:]
-    if num_heads == 0 or num_v_heads == 0 or num_v_heads % num_heads:
-        raise ValueError(f"v: value heads HV={num_v_heads} must be a positive multiple of the key heads "
-                         f"H={num_heads} of q and k")
-    if per_channel_decay:
-        g_shape, g_dims = (num_tokens, num_v_heads, head_k), "[T, HV, K]"
-    else:
-        g_shape, g_dims = (num_tokens, num_v_heads), "[T, HV]"
-    if g.shape != g_shape:
-        raise ValueError(f"g: expected {g_dims} = {g_shape}, got shape {g.shape}")
-    if beta.shape != (num_tokens, num_v_heads):
-        raise ValueError(f"beta: expected [T, HV] = {(num_tokens, num_v_heads)}, got shape {beta.shape}")
+    _, _, head_k, num_v_heads, head_v = delta_dims(q, k, v, g, beta, per_channel_decay=per_channel_decay)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale)):
         raise ValueError(f"scale: must be a finite Python number (a static option), got {scale!r}")

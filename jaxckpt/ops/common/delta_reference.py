@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from jaxckpt.ops.common.checks import delta_dims
 from jaxckpt.plan.conventions import check_state_layout, validate_checkpoints, validate_cu_seqlens
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -41,25 +42,7 @@ def check_delta_inputs(q, k, v, g, beta, *, per_channel_decay: bool):
     v = to_float64(v, name="v")  # [T, HV, V]
     g = to_float64(g, name="g")  # [T, HV] or [T, HV, K]
     beta = to_float64(beta, name="beta")  # [T, HV]
-    if q.ndim != 3:
-        raise ValueError(f"q: expected [T, H, K], got shape {q.shape}")
-    num_tokens, num_heads, head_k = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k: expected [T, H, K] = {q.shape} like q, got shape {k.shape}")
-    if v.ndim != 3 or v.shape[0] != num_tokens:
-        raise ValueError(f"v: expected [T, HV, V] with T={num_tokens} like q, got shape {v.shape}")
-    num_v_heads = v.shape[1]
-    if num_heads == 0 or num_v_heads == 0 or num_v_heads % num_heads:
-        raise ValueError(f"v: value heads HV={num_v_heads} must be a positive multiple of the key heads "
-                         f"H={num_heads} of q and k")
-    if per_channel_decay:
-        g_shape, g_name = (num_tokens, num_v_heads, head_k), "[T, HV, K]"
-    else:
-        g_shape, g_name = (num_tokens, num_v_heads), "[T, HV]"
-    if g.shape != g_shape:
-        raise ValueError(f"g: expected {g_name} = {g_shape}, got shape {g.shape}")
-    if beta.shape != (num_tokens, num_v_heads):
-        raise ValueError(f"beta: expected [T, HV] = {(num_tokens, num_v_heads)}, got shape {beta.shape}")
+    delta_dims(q, k, v, g, beta, per_channel_decay=per_channel_decay)
     return q, k, v, g, beta
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from jaxckpt.ops.common.checks import check_dt_limit, check_ssd_state, ssd_dims
 from jaxckpt.plan.conventions import check_state_layout, validate_checkpoints, validate_cu_seqlens
 
 _FLOAT_DTYPES = tuple(np.dtype(d) for d in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64))
@@ -19,11 +20,6 @@ def _as_float64(value, *, name: str) -> np.ndarray:
     return array.astype(np.float64)
 
 
-def _check_shape(array: np.ndarray, expected: tuple, *, name: str, spec: str) -> None:
-    if array.shape != expected:
-        raise ValueError(f"{name}: expected {spec} = {expected}, got shape {array.shape}")
-
-
 def _softplus(v: np.ndarray) -> np.ndarray:
     return np.where(v > _SOFTPLUS_THRESHOLD, v, np.log1p(np.exp(np.minimum(v, _SOFTPLUS_THRESHOLD))))
 
@@ -32,18 +28,6 @@ def _silu(v: np.ndarray) -> np.ndarray:
     # exp(-|v|) never overflows; both branches are the exact logistic function.
     e = np.exp(-np.abs(v))
     return v * np.where(v >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-
-
-def _check_dt_limit(dt_limit) -> tuple[float, float] | None:
-    if dt_limit is None:
-        return None
-    try:
-        lo, hi = (float(v) for v in dt_limit)
-    except (TypeError, ValueError):
-        raise ValueError(f"dt_limit: expected None or a pair (lo, hi) of numbers, got {dt_limit!r}") from None
-    if not lo <= hi:
-        raise ValueError(f"dt_limit: needs lo <= hi, got ({lo}, {hi})")
-    return lo, hi
 
 
 def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_state=None, cu_seqlens=None,
@@ -59,39 +43,19 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     """
     check_state_layout(state_layout)
     x = _as_float64(x, name="x")  # [T, H, P]
-    if x.ndim != 3:
-        raise ValueError(f"x: expected [T, H, P], got shape {x.shape}")
-    num_tokens, num_heads, head_dim = x.shape
     dt = _as_float64(dt, name="dt")  # [T, H]
-    _check_shape(dt, (num_tokens, num_heads), name="dt", spec="[T, H]")
     A = _as_float64(A, name="A")  # [H]
-    _check_shape(A, (num_heads,), name="A", spec="[H]")
     B = _as_float64(B, name="B")  # [T, G, N]
-    if B.ndim != 3 or B.shape[0] != num_tokens:
-        raise ValueError(f"B: expected [T, G, N] with T={num_tokens}, got shape {B.shape}")
-    num_groups, state_dim = B.shape[1:]
-    if num_groups == 0 or num_heads % num_groups:
-        raise ValueError(f"B: groups G={num_groups} must divide the heads H={num_heads}")
     C = _as_float64(C, name="C")  # [T, G, N]
-    _check_shape(C, B.shape, name="C", spec="[T, G, N] like B")
-    if D is None:
-        D = np.zeros((num_heads, head_dim))
-    else:
-        D = _as_float64(D, name="D")
-        if D.shape == (num_heads,):
-            D = np.repeat(D[:, None], head_dim, axis=1)
-        elif D.shape != (num_heads, head_dim):
-            raise ValueError(
-                f"D: expected [H] = ({num_heads},) or [H, P] = {(num_heads, head_dim)}, got shape {D.shape}")
-    if dt_bias is None:
-        dt_bias = np.zeros(num_heads)
-    else:
-        dt_bias = _as_float64(dt_bias, name="dt_bias")  # [H]
-        _check_shape(dt_bias, (num_heads,), name="dt_bias", spec="[H]")
-    if z is not None:
-        z = _as_float64(z, name="z")  # [T, H, P]
-        _check_shape(z, x.shape, name="z", spec="[T, H, P] like x")
-    limit = _check_dt_limit(dt_limit)
+    D = None if D is None else _as_float64(D, name="D")  # [H] or [H, P]
+    dt_bias = None if dt_bias is None else _as_float64(dt_bias, name="dt_bias")  # [H]
+    z = None if z is None else _as_float64(z, name="z")  # [T, H, P]
+    dims = ssd_dims(x, dt, A, B, C, D=D, dt_bias=dt_bias, z=z)
+    num_tokens, num_heads, head_dim, num_groups, state_dim = dims
+    D = np.zeros((num_heads, head_dim)) if D is None else np.broadcast_to(D.reshape(num_heads, -1),
+                                                                          (num_heads, head_dim))
+    dt_bias = np.zeros(num_heads) if dt_bias is None else dt_bias
+    limit = check_dt_limit(dt_limit)
     cu = validate_cu_seqlens(cu_seqlens, num_tokens)  # i32[N + 1]
     num_rows = cu.size - 1
     ccu, offsets = validate_checkpoints(checkpoint_cu, checkpoint_offsets, cu)  # i32[N + 1], i32[M]
@@ -99,12 +63,8 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
         initial = np.zeros((num_rows, num_heads, head_dim, state_dim))
     else:
         initial = _as_float64(initial_state, name="initial_state")
-        if state_layout == "vk":
-            _check_shape(initial, (num_rows, num_heads, head_dim, state_dim), name="initial_state",
-                         spec='[N_rows, H, P, N] ("vk")')
-        else:
-            _check_shape(initial, (num_rows, num_heads, state_dim, head_dim), name="initial_state",
-                         spec='[N_rows, H, N, P] ("kv")')
+        check_ssd_state(initial, dims, num_rows, state_layout)
+        if state_layout == "kv":
             initial = np.swapaxes(initial, -1, -2)
 
     delta = _softplus(dt + dt_bias)  # [T, H]

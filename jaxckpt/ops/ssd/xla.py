@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
+from jaxckpt.ops.common.checks import check_dt_limit, check_ssd_state, ssd_dims
 from jaxckpt.ops.conv1d.xla import check_float, compute_dtype, packed_metadata
 from jaxckpt.plan.conventions import check_positive, check_state_layout
 from jaxckpt.plan.layout import chunk_layout
@@ -37,23 +38,6 @@ _SOFTPLUS_THRESHOLD = 20.0
 def _softplus(v):
     # the clamp inside keeps exp (and its gradient) finite on the branch that `where` discards
     return jnp.where(v > _SOFTPLUS_THRESHOLD, v, jnp.log1p(jnp.exp(jnp.minimum(v, _SOFTPLUS_THRESHOLD))))
-
-
-def _check_dt_limit(dt_limit):
-    if dt_limit is None:
-        return None
-    try:
-        lo, hi = (float(v) for v in dt_limit)
-    except (TypeError, ValueError):
-        raise ValueError(f"dt_limit: expected None or a pair (lo, hi) of numbers, got {dt_limit!r}") from None
-    if not lo <= hi:
-        raise ValueError(f"dt_limit: needs lo <= hi, got ({lo}, {hi})")
-    return lo, hi
-
-
-def _check_shape(array, expected: tuple, *, name: str, spec: str) -> None:
-    if array.shape != expected:
-        raise ValueError(f"{name}: expected {spec} = {expected}, got shape {array.shape}")
 
 
 def _exp_masked(log_ratio, mask):
@@ -87,49 +71,28 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     if state_pass not in STATE_PASSES:
         raise ValueError(f"state_pass: must be one of {STATE_PASSES}, got {state_pass!r}")
     x = check_float(x, name="x")  # [T, H, P]
-    if x.ndim != 3:
-        raise ValueError(f"x: expected [T, H, P], got shape {x.shape}")
-    num_tokens, num_heads, head_dim = x.shape
     dt = check_float(dt, name="dt")  # [T, H]
-    _check_shape(dt, (num_tokens, num_heads), name="dt", spec="[T, H]")
     A = check_float(A, name="A")  # [H]
-    _check_shape(A, (num_heads,), name="A", spec="[H]")
     B = check_float(B, name="B")  # [T, G, N]
-    if B.ndim != 3 or B.shape[0] != num_tokens:
-        raise ValueError(f"B: expected [T, G, N] with T={num_tokens}, got shape {B.shape}")
-    num_groups, state_dim = B.shape[1:]
-    if num_groups == 0 or num_heads % num_groups:
-        raise ValueError(f"B: groups G={num_groups} must divide the heads H={num_heads}")
     C = check_float(C, name="C")  # [T, G, N]
-    _check_shape(C, B.shape, name="C", spec="[T, G, N] like B")
+    D = None if D is None else check_float(D, name="D")  # [H] or [H, P]
+    dt_bias = None if dt_bias is None else check_float(dt_bias, name="dt_bias")  # [H]
+    z = None if z is None else check_float(z, name="z")  # [T, H, P]
+    dims = ssd_dims(x, dt, A, B, C, D=D, dt_bias=dt_bias, z=z)
+    num_tokens, num_heads, head_dim, num_groups, state_dim = dims
     cdt = compute_dtype(x.dtype)
     dot, state_dot = matmul_policy(x.dtype, B.dtype, C.dtype)
     if D is not None:
-        D = check_float(D, name="D").astype(cdt)
-        if D.shape == (num_heads,):
-            D = D[:, None]
-        elif D.shape != (num_heads, head_dim):
-            raise ValueError(
-                f"D: expected [H] = ({num_heads},) or [H, P] = {(num_heads, head_dim)}, got shape {D.shape}")
-    if dt_bias is not None:
-        dt_bias = check_float(dt_bias, name="dt_bias")  # [H]
-        _check_shape(dt_bias, (num_heads,), name="dt_bias", spec="[H]")
-    if z is not None:
-        z = check_float(z, name="z")  # [T, H, P]
-        _check_shape(z, x.shape, name="z", spec="[T, H, P] like x")
-    limit = _check_dt_limit(dt_limit)
+        D = D.astype(cdt).reshape(num_heads, -1)
+    limit = check_dt_limit(dt_limit)
     cu, ccu, offsets = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets, num_tokens)
     num_rows = cu.shape[0] - 1
     if initial_state is None:
         initial = jnp.zeros((num_rows, num_heads, head_dim, state_dim), cdt)
     else:
         initial = check_float(initial_state, name="initial_state").astype(cdt)
-        if state_layout == "vk":
-            _check_shape(initial, (num_rows, num_heads, head_dim, state_dim), name="initial_state",
-                         spec='[N_rows, H, P, N] ("vk")')
-        else:
-            _check_shape(initial, (num_rows, num_heads, state_dim, head_dim), name="initial_state",
-                         spec='[N_rows, H, N, P] ("kv")')
+        check_ssd_state(initial, dims, num_rows, state_layout)
+        if state_layout == "kv":
             initial = jnp.swapaxes(initial, -1, -2)
 
     forced = checkpoint_method == "forced_break"

@@ -1,0 +1,95 @@
+"""Static checks shared by every implementation of an op: shapes and scalar options only, so numpy, jax (also while
+tracing) and torch arrays all pass through the same rules and messages. Dtype rules stay with each implementation."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+def check_shape(array, expected: tuple, *, name: str, spec: str) -> None:
+    if tuple(array.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected {spec} = {tuple(expected)}, got shape {tuple(array.shape)}")
+
+
+def check_dt_limit(dt_limit) -> tuple[float, float] | None:
+    """None, or a pair (lo, hi) of Python numbers with lo <= hi (a static option)."""
+    if dt_limit is None:
+        return None
+    try:
+        lo, hi = (float(v) for v in dt_limit)
+    except (TypeError, ValueError):
+        raise ValueError(f"dt_limit: expected None or a pair (lo, hi) of numbers, got {dt_limit!r}") from None
+    if not lo <= hi:
+        raise ValueError(f"dt_limit: needs lo <= hi, got ({lo}, {hi})")
+    return lo, hi
+
+
+class DeltaDims(NamedTuple):
+    num_tokens: int
+    num_heads: int
+    head_k: int
+    num_v_heads: int
+    head_v: int
+
+
+def delta_dims(q, k, v, g, beta, *, per_channel_decay: bool) -> DeltaDims:
+    """Checks the delta-rule inputs against each other: q, k [T, H, K]; v [T, HV, V]; g [T, HV] or [T, HV, K];
+    beta [T, HV]; HV a positive multiple of H."""
+    if q.ndim != 3:
+        raise ValueError(f"q: expected [T, H, K], got shape {tuple(q.shape)}")
+    num_tokens, num_heads, head_k = q.shape
+    if tuple(k.shape) != tuple(q.shape):
+        raise ValueError(f"k: expected [T, H, K] = {tuple(q.shape)} like q, got shape {tuple(k.shape)}")
+    if v.ndim != 3 or v.shape[0] != num_tokens:
+        raise ValueError(f"v: expected [T, HV, V] with T={num_tokens} like q, got shape {tuple(v.shape)}")
+    num_v_heads, head_v = v.shape[1:]
+    if num_heads == 0 or num_v_heads == 0 or num_v_heads % num_heads:
+        raise ValueError(f"v: value heads HV={num_v_heads} must be a positive multiple of the key heads "
+                         f"H={num_heads} of q and k")
+    if per_channel_decay:
+        check_shape(g, (num_tokens, num_v_heads, head_k), name="g", spec="[T, HV, K]")
+    else:
+        check_shape(g, (num_tokens, num_v_heads), name="g", spec="[T, HV]")
+    check_shape(beta, (num_tokens, num_v_heads), name="beta", spec="[T, HV]")
+    return DeltaDims(num_tokens, num_heads, head_k, num_v_heads, head_v)
+
+
+class SsdDims(NamedTuple):
+    num_tokens: int
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_dim: int
+
+
+def ssd_dims(x, dt, A, B, C, *, D=None, dt_bias=None, z=None) -> SsdDims:
+    """Checks the SSD inputs against each other: x [T, H, P]; dt [T, H]; A [H]; B, C [T, G, N] with G dividing H;
+    D [H] or [H, P]; dt_bias [H]; z [T, H, P]."""
+    if x.ndim != 3:
+        raise ValueError(f"x: expected [T, H, P], got shape {tuple(x.shape)}")
+    num_tokens, num_heads, head_dim = x.shape
+    check_shape(dt, (num_tokens, num_heads), name="dt", spec="[T, H]")
+    check_shape(A, (num_heads,), name="A", spec="[H]")
+    if B.ndim != 3 or B.shape[0] != num_tokens:
+        raise ValueError(f"B: expected [T, G, N] with T={num_tokens}, got shape {tuple(B.shape)}")
+    num_groups, state_dim = B.shape[1:]
+    if num_groups == 0 or num_heads % num_groups:
+        raise ValueError(f"B: groups G={num_groups} must divide the heads H={num_heads}")
+    check_shape(C, B.shape, name="C", spec="[T, G, N] like B")
+    if D is not None and tuple(D.shape) not in ((num_heads,), (num_heads, head_dim)):
+        raise ValueError(f"D: expected [H] = ({num_heads},) or [H, P] = {(num_heads, head_dim)}, "
+                         f"got shape {tuple(D.shape)}")
+    if dt_bias is not None:
+        check_shape(dt_bias, (num_heads,), name="dt_bias", spec="[H]")
+    if z is not None:
+        check_shape(z, x.shape, name="z", spec="[T, H, P] like x")
+    return SsdDims(num_tokens, num_heads, head_dim, num_groups, state_dim)
+
+
+def check_ssd_state(initial_state, dims: SsdDims, num_rows: int, state_layout: str) -> None:
+    if state_layout == "vk":
+        check_shape(initial_state, (num_rows, dims.num_heads, dims.head_dim, dims.state_dim), name="initial_state",
+                    spec='[N_rows, H, P, N] ("vk")')
+    else:
+        check_shape(initial_state, (num_rows, dims.num_heads, dims.state_dim, dims.head_dim), name="initial_state",
+                    spec='[N_rows, H, N, P] ("kv")')
