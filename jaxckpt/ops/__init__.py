@@ -1,19 +1,12 @@
 """Checkpointed prefill ops: one public entry per op with `implementation=`, and its paged-pool form.
 
 Each op folder holds the float64 `reference`, the portable `xla` path and GPU kernels (`pallas_*`) behind `api.py`.
-The entries load on first use, so the numpy-only parts (references, static checks) import without jax.
 """
 
-import importlib
+from jaxckpt.ops.conv1d.api import causal_conv1d, causal_conv1d_paged
+from jaxckpt.ops.gdn.api import gated_delta_rule, gated_delta_rule_paged
+from jaxckpt.ops.kda.api import kda, kda_paged
+from jaxckpt.ops.ssd.api import ssd, ssd_paged
 
-_ENTRIES = {
-    "causal_conv1d": "conv1d", "causal_conv1d_paged": "conv1d", "gated_delta_rule": "gdn",
-    "gated_delta_rule_paged": "gdn", "kda": "kda", "kda_paged": "kda", "ssd": "ssd", "ssd_paged": "ssd",
-}
-__all__ = sorted(_ENTRIES)
-
-
-def __getattr__(name):
-    if name in _ENTRIES:
-        return getattr(importlib.import_module(f"{__name__}.{_ENTRIES[name]}.api"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["causal_conv1d", "causal_conv1d_paged", "gated_delta_rule", "gated_delta_rule_paged", "kda", "kda_paged",
+           "ssd", "ssd_paged"]

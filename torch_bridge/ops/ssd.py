@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jaxckpt.ops.common.checks import check_dt_limit
+from jaxckpt.plan.checks import check_dt_limit
 from jaxckpt.plan.conventions import check_state_layout
 from jaxckpt.plan.layout import chunk_layout
 from torch_bridge.interop import check_pool, gather_states, host_metadata, pool_slots, write_states

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
-from jaxckpt.ops.common.checks import delta_dims
+from jaxckpt.plan.checks import delta_dims
 from jaxckpt.plan.conventions import check_positive, check_state_layout
 from jaxckpt.plan.layout import chunk_layout
 

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from jaxckpt.ops.common.checks import delta_dims
+from jaxckpt.plan.checks import delta_dims
 from jaxckpt.plan.conventions import check_state_layout, validate_checkpoints, validate_cu_seqlens
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from jaxckpt.ops.common.checks import check_dt_limit, check_ssd_state, ssd_dims
+from jaxckpt.plan.checks import check_dt_limit, check_ssd_state, ssd_dims
 from jaxckpt.plan.conventions import check_state_layout, validate_checkpoints, validate_cu_seqlens
 
 _FLOAT_DTYPES = tuple(np.dtype(d) for d in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64))

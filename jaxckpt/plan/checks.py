@@ -1,5 +1,6 @@
-"""Static checks shared by every implementation of an op: shapes and scalar options only, so numpy, jax (also while
-tracing) and torch arrays all pass through the same rules and messages. Dtype rules stay with each implementation."""
+"""The ops' input conventions as static checks, shared by every implementation (references, XLA, Pallas, torch_bridge's
+Triton kernels): shapes and scalar options only, so numpy, jax (also while tracing) and torch arrays pass through the
+same rules and messages. Dtype rules stay with each implementation."""
 
 from __future__ import annotations
 
