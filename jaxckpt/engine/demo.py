@@ -57,9 +57,11 @@ def workload(block_size: int, *, families: int = 2, members: int = 3, conversati
             turns_list.append(DemoPrompt("conversation", list(history)))
             history = history + _text(rng, block_size)  # the assistant's reply, part of the next turn's prompt
         groups.append(turns_list)
-    shared = _text(rng, round(1500 * block_size / 528))
-    groups.append([DemoPrompt("#45238 (1500/700 @ 528)", shared + _text(rng, round(700 * block_size / 528)))
-                   for _ in range(unique_tails)])
+    # vLLM #45238 (1500 shared / 700 unique tokens at block 528), scaled to this block size
+    num_shared, num_unique = round(1500 * block_size / 528), round(700 * block_size / 528)
+    shared = _text(rng, num_shared)
+    label = f"#45238 ({num_shared}/{num_unique} @ {block_size})"
+    groups.append([DemoPrompt(label, shared + _text(rng, num_unique)) for _ in range(unique_tails)])
     ordered = []
     for i in range(max(len(g) for g in groups)):
         ordered += [g[i] for g in groups if i < len(g)]
