@@ -13,7 +13,7 @@ def test_demo_runs_and_reports(tmp_path, capsys):
     assert "parity:" in printed and "two_step" in printed and "several" in printed
     numbers = json.loads(out.read_text())
     assert numbers["parity_failures"] == 0 and numbers["max_rel_err"] < numbers["tolerance"]
-    assert numbers["modes"] == ["two_step", "one_checkpoint", "several"] and numbers["prompts"] == 6
+    assert list(numbers["modes"]) == ["two_step", "one_checkpoint", "several"] and numbers["prompts"] == 6
 
 
 def test_demo_help_and_plan_without_arguments(capsys):
