@@ -94,3 +94,24 @@ def check_ssd_state(initial_state, dims: SsdDims, num_rows: int, state_layout: s
     else:
         check_shape(initial_state, (num_rows, dims.num_heads, dims.state_dim, dims.head_dim), name="initial_state",
                     spec='[N_rows, H, N, P] ("kv")')
+
+
+CONV_WIDTHS = (2, 3, 4)
+CONV_ACTIVATIONS = (None, "silu", "swish")
+
+
+def conv_dims(x, weight, bias=None, *, activation) -> tuple[int, int, int]:
+    """Checks the conv inputs: x [T, D]; weight [D, W] with W in CONV_WIDTHS; bias [D]. Returns (T, D, W)."""
+    if activation not in CONV_ACTIVATIONS:
+        raise ValueError(f"activation: must be one of {CONV_ACTIVATIONS}, got {activation!r}")
+    if x.ndim != 2:
+        raise ValueError(f"x: expected [T, D], got shape {tuple(x.shape)}")
+    num_tokens, dim = x.shape
+    if weight.ndim != 2 or weight.shape[0] != dim:
+        raise ValueError(f"weight: expected [D, W] with D={dim}, got shape {tuple(weight.shape)}")
+    width = weight.shape[1]
+    if width not in CONV_WIDTHS:
+        raise ValueError(f"weight: width W must be one of {CONV_WIDTHS}, got {width}")
+    if bias is not None:
+        check_shape(bias, (dim,), name="bias", spec="[D]")
+    return num_tokens, dim, width

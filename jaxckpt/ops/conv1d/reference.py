@@ -5,11 +5,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from jaxckpt.plan.checks import conv_dims
 from jaxckpt.plan.conventions import validate_checkpoints, validate_cu_seqlens
 
 _FLOAT_DTYPES = tuple(np.dtype(d) for d in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64))
-_WIDTHS = (2, 3, 4)
-_ACTIVATIONS = (None, "silu", "swish")
 
 
 def _as_float64(value, *, name: str) -> np.ndarray:
@@ -36,24 +35,11 @@ def causal_conv1d(x, weight, bias=None, *, activation="silu", initial_state=None
     W - 1 raw inputs before the row end / before each checkpoint offset. Padding tokens past cu_seqlens[N] and
     padded checkpoint entries are zeros.
     """
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation: must be one of {_ACTIVATIONS}, got {activation!r}")
     x = _as_float64(x, name="x")  # [T, D]
-    if x.ndim != 2:
-        raise ValueError(f"x: expected [T, D], got shape {x.shape}")
-    num_tokens, dim = x.shape
     weight = _as_float64(weight, name="weight")  # [D, W]
-    if weight.ndim != 2 or weight.shape[0] != dim:
-        raise ValueError(f"weight: expected [D, W] with D={dim}, got shape {weight.shape}")
-    width = weight.shape[1]
-    if width not in _WIDTHS:
-        raise ValueError(f"weight: width W must be one of {_WIDTHS}, got {width}")
-    if bias is None:
-        bias = np.zeros(dim)
-    else:
-        bias = _as_float64(bias, name="bias")  # [D]
-        if bias.shape != (dim,):
-            raise ValueError(f"bias: expected [D] = ({dim},), got shape {bias.shape}")
+    bias = None if bias is None else _as_float64(bias, name="bias")  # [D]
+    num_tokens, dim, width = conv_dims(x, weight, bias, activation=activation)
+    bias = np.zeros(dim) if bias is None else bias
     cu = validate_cu_seqlens(cu_seqlens, num_tokens)  # i32[N + 1]
     num_rows = cu.size - 1
     ccu, offsets = validate_checkpoints(checkpoint_cu, checkpoint_offsets, cu)  # i32[N + 1], i32[M]

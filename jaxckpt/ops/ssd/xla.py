@@ -25,7 +25,7 @@ from jax import lax
 
 from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
 from jaxckpt.plan.checks import check_dt_limit, check_ssd_state, ssd_dims
-from jaxckpt.ops.conv1d.xla import check_float, compute_dtype, packed_metadata
+from jaxckpt.ops.common.xla_arrays import check_float, compute_dtype, packed_metadata
 from jaxckpt.plan.conventions import check_positive, check_state_layout
 from jaxckpt.plan.layout import chunk_layout
 
