@@ -3,7 +3,7 @@ the split-at-checkpoint driver.
 
 Implementations are looked up by name in an op's registry, `{name: "module:function"}`, and imported on first use. A
 module may define `supports(**call) -> str | None`: a reason string declines the call, and `implementation=None`
-then falls back to the next (the portable "xla" path last) keeping the reasons for `explain_choice`.
+then falls back to the next (the portable "xla" path last); the returned `Choice` keeps the reasons.
 """
 
 from __future__ import annotations
