@@ -41,7 +41,10 @@ def choose_implementation(registry: Mapping[str, str], implementation: str | Non
     if implementation is not None:
         if implementation not in registry:
             raise ValueError(f"implementation: must be one of {sorted(registry)} or None, got {implementation!r}")
-        module, function = _load(registry[implementation])
+        try:
+            module, function = _load(registry[implementation])
+        except ImportError as error:
+            raise ValueError(f"implementation: {implementation!r} is unavailable here: {error}") from error
         reason = getattr(module, "supports", lambda **_: None)(**call)
         if reason is not None:
             raise ValueError(f"implementation: {implementation!r} does not support this call: {reason}")
