@@ -218,3 +218,29 @@ def test_pallas_triton_through_the_public_entry_in_interpret_mode():
                                kernel_options={"interpret": True})
     for a, b in zip(got, expected):
         assert rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_random_batches_in_one_shape_bucket(op):
+    """Seeded sweep: row lengths, decode rows, initial states and checkpoint lists vary; shapes stay fixed."""
+    rng = np.random.default_rng(9 if op == "gdn" else 10)
+    fn = ops.gated_delta_rule if op == "gdn" else ops.kda
+    T, N, M = 72, 5, 6
+    for _ in range(4):
+        num_decodes = int(rng.integers(0, 3))
+        lengths = [1] * num_decodes + list(rng.integers(0, 14, N - num_decodes))
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        rows = [np.sort(rng.choice(np.arange(1, n), min(int(rng.integers(0, 3)), n - 1), replace=False))
+                if n > 2 and i >= num_decodes else np.zeros(0, int) for i, n in enumerate(lengths)]
+        rows = [r[:max(0, M - sum(len(x) for x in rows[:i]))] for i, r in enumerate(rows)]
+        ccu = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int32)
+        offsets = np.concatenate([np.concatenate(rows), np.zeros(M - ccu[-1])]).astype(np.int32)
+        args = delta_inputs(rng, T, per_channel=op == "kda")
+        h0 = rng.standard_normal((N, 4, 8, 8)).astype(np.float32) * (rng.random((N, 1, 1, 1)) < 0.6)
+        meta = dict(initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=offsets)
+        expected = fn(*args, **meta, implementation="reference")
+        got = fn(*args, **meta, implementation="xla", num_decodes=num_decodes, chunk_size=16)
+        valid = int(cu[-1])
+        assert rel(got[0][:valid], expected[0][:valid]) < 1e-5
+        assert rel(got[1], expected[1]) < 1e-5
+        assert rel(got[2][:ccu[-1]], expected[2][:ccu[-1]]) < 1e-5
