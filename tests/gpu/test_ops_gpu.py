@@ -8,7 +8,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-IMPLEMENTATIONS = {"gdn": ("xla", "pallas_triton"), "kda": ("xla", "pallas_triton"), "ssd": ("xla",),
+IMPLEMENTATIONS = {"gdn": ("xla", "pallas_triton"), "kda": ("xla", "pallas_triton"), "ssd": ("xla", "pallas_triton"),
                    "conv1d": ("xla",)}
 
 

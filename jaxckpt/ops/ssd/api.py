@@ -10,6 +10,7 @@ from jaxckpt.ops.common.recurrent_step import ssd_step
 REGISTRY = MappingProxyType({
     "reference": "jaxckpt.ops.ssd.reference:ssd",
     "xla": "jaxckpt.ops.ssd.xla:ssd",
+    "pallas_triton": "jaxckpt.ops.ssd.pallas_triton:ssd",
 })
 
 
