@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxckpt.plan.checks import ssd_dims
+
 FLOAT_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
 
 
@@ -49,3 +51,11 @@ def packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets, num_tokens: i
         if not jnp.issubdtype(array.dtype, jnp.integer):
             raise ValueError(f"{name}: dtype must be an integer type, got {array.dtype}")
     return cu, ccu.astype(jnp.int32), offsets.astype(jnp.int32)
+
+
+def check_ssd_inputs(x, dt, A, B, C, *, D=None, dt_bias=None, z=None):
+    """Float checks and the shared SSD shape rules for the JAX implementations; returns the arrays and `SsdDims`."""
+    x, dt, A, B, C = (check_float(a, name=n) for a, n in ((x, "x"), (dt, "dt"), (A, "A"), (B, "B"), (C, "C")))
+    D, dt_bias, z = (None if a is None else check_float(a, name=n)
+                     for a, n in ((D, "D"), (dt_bias, "dt_bias"), (z, "z")))
+    return (x, dt, A, B, C, D, dt_bias, z), ssd_dims(x, dt, A, B, C, D=D, dt_bias=dt_bias, z=z)

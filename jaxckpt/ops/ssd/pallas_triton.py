@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxckpt.ops.common.xla_arrays import check_float, packed_metadata
-from jaxckpt.plan.checks import check_dt_limit, check_ssd_state, ssd_dims
+from jaxckpt.ops.common.xla_arrays import check_float, check_ssd_inputs, packed_metadata
+from jaxckpt.plan.checks import check_dt_limit, check_ssd_state
 from jaxckpt.plan.conventions import check_state_layout
 from jaxckpt.plan.layout import chunk_layout
 
@@ -212,15 +212,7 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     check_state_layout(state_layout)
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: must be one of {CHUNK_SIZES}, got {chunk_size!r}")
-    x = check_float(x, name="x")  # [T, H, P]
-    dt = check_float(dt, name="dt")  # [T, H]
-    A = check_float(A, name="A")  # [H]
-    B = check_float(B, name="B")  # [T, G, N]
-    C = check_float(C, name="C")  # [T, G, N]
-    D = None if D is None else check_float(D, name="D")  # [H] or [H, P]
-    dt_bias = None if dt_bias is None else check_float(dt_bias, name="dt_bias")  # [H]
-    z = None if z is None else check_float(z, name="z")  # [T, H, P]
-    dims = ssd_dims(x, dt, A, B, C, D=D, dt_bias=dt_bias, z=z)
+    (x, dt, A, B, C, D, dt_bias, z), dims = check_ssd_inputs(x, dt, A, B, C, D=D, dt_bias=dt_bias, z=z)
     num_tokens, num_heads, head_dim, num_groups, state_dim = dims
     reps = num_heads // num_groups
     limit = check_dt_limit(dt_limit)
