@@ -102,7 +102,9 @@ def test_through_the_public_entry_with_fallback_reasons():
     A = -rng.uniform(0.5, 2.0, H).astype(np.float32)
     B = rng.standard_normal((T, G, N)).astype(np.float32)
     C = rng.standard_normal((T, G, N)).astype(np.float32)
-    meta = dict(cu_seqlens=np.array([0, 1, 40]), checkpoint_cu=np.array([0, 0, 1]), checkpoint_offsets=np.array([17]))
+    z = rng.standard_normal((T, H, P)).astype(np.float32)
+    meta = dict(cu_seqlens=np.array([0, 1, 40]), checkpoint_cu=np.array([0, 0, 1]), checkpoint_offsets=np.array([17]),
+                z=z)
     expected = ops.ssd(x, dt, A, B, C, **meta, implementation="reference")
     got = ops.ssd(x, dt, A, B, C, **meta, implementation="pallas_triton", num_decodes=1, chunk_size=16,
                   kernel_options={"interpret": True})

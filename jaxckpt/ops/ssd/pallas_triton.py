@@ -56,7 +56,7 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def supports(x, dt, B, C, *, chunk_size=64, interpret=False, **tuning) -> str | None:
+def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, **tuning) -> str | None:
     """None when this backend can run the call, else the reason (so the caller can fall back to XLA)."""
     unknown = sorted(set(tuning) - set(TUNING_KEYS))
     if unknown:
