@@ -1,11 +1,12 @@
 """Command line: `jaxckpt demo` runs the end-to-end prefix-cache demo; `jaxckpt plan` prints a batch's checkpoint plan.
 
-`jaxckpt plan` needs only numpy; the demo imports jax on first use.
+`jaxckpt plan` needs only numpy; the demo imports jax on first use (after `--devices N` asked for N host devices).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -91,9 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def request_host_devices(argv: list[str]):
+    """`demo --devices N` on the CPU needs N host devices, a count XLA fixes when JAX starts: ask for them before the
+    demo imports JAX. Harmless on a GPU host (the flag only sizes the CPU platform; the mesh takes the first N GPUs);
+    too late once JAX is imported, where the demo reports the devices missing."""
+    parser = argparse.ArgumentParser(prog="jaxckpt demo", add_help=False)
+    parser.add_argument("--devices", type=int, default=None)
+    devices = parser.parse_known_args(argv)[0].devices
+    flags = os.environ.get("XLA_FLAGS", "")
+    if devices is None or devices < 2 or "jax" in sys.modules or "xla_force_host_platform_device_count" in flags:
+        return
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:
+        request_host_devices(argv[1:])
         from jaxckpt.engine.demo import main as demo_main
 
         return demo_main(argv[1:])

@@ -118,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--plot", metavar="FILE.png", default=None, help="TTFT per prompt per mode (matplotlib)")
     parser.add_argument("--json", metavar="FILE", default=None, help="write the numbers as JSON")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--devices", type=int, default=None, metavar="N",
+                        help="split the model by head over the first N devices (GPUs, or N host devices on the CPU); "
+                             "any N, 1 included, uses the tiny model with head counts divisible by 8")
 
 
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
@@ -151,6 +154,13 @@ def _check(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"--{name.replace('_', '-')}: must be non-negative, got {getattr(args, name)}")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot: needs matplotlib (pip install 'jaxckpt[bench]')")
+    if args.devices is not None:
+        if args.devices < 1:
+            raise ValueError(f"--devices: must be positive, got {args.devices}")
+        if args.devices > jax.device_count():
+            raise ValueError(f"--devices: {args.devices} requested, JAX has {jax.device_count()} "
+                             f"{jax.default_backend()} device(s); on the CPU run it as `jaxckpt demo --devices N`, "
+                             "which starts JAX with N host devices")
     return modes
 
 
@@ -166,19 +176,28 @@ def run(args: argparse.Namespace) -> int:
     prefill_tokens = args.prefill_tokens or bucket_size(longest, minimum=64)
     # the tiny model's length, unless the workload needs more; a whole number of blocks either way
     max_model_len = -(-max(HybridConfig.tiny().max_model_len, longest + args.max_new_tokens) // block) * block
-    config = HybridConfig.tiny(block_size=block, max_model_len=max_model_len)
+    if args.devices is None:
+        config, mesh = HybridConfig.tiny(block_size=block, max_model_len=max_model_len), None
+    else:
+        from jaxckpt.models.sharded import head_mesh
+
+        config = HybridConfig.tiny_sharded(block_size=block, max_model_len=max_model_len)
+        mesh = head_mesh(args.devices)
     model = HybridModel(config, rngs=nnx.Rngs(args.seed))
-    runner = HybridRunner(model, prefill_tokens=prefill_tokens)
+    runner = HybridRunner(model, prefill_tokens=prefill_tokens, mesh=mesh)
     max_blocks = config.max_model_len // block
     # room for every prompt's pages and states: the demo measures hits, not eviction
     pages = sum(-(-(len(p.tokens) + args.max_new_tokens) // block) for p in prompts) + 1
     engine_kwargs = dict(num_kv_pages=pages, num_state_slots=2 * len(prompts) + max_blocks + 2,
                          max_new_tokens=args.max_new_tokens, max_num_scheduled_tokens=prefill_tokens)
+    placement = "one device" if mesh is None else f"split by head over {args.devices} device(s)"
     print(f"jaxckpt demo: tiny hybrid model ({', '.join(config.layer_types)}), block {block}, "
-          f"{jax.default_backend()}, {len(prompts)} prompts per mode, alignment {model.checkpoint_alignment()}")
+          f"{jax.default_backend()}, {placement}, {len(prompts)} prompts per mode, "
+          f"alignment {model.checkpoint_alignment()}")
 
     references: dict[tuple, np.ndarray] = {}
-    report = {"backend": jax.default_backend(), "device": str(jax.devices()[0]), "block_size": block,
+    report = {"backend": jax.default_backend(), "device": str(jax.devices()[0]), "devices": args.devices,
+              "block_size": block,
               "layer_types": list(config.layer_types), "prompts": len(prompts), "modes": {}}
     results: dict[str, list[RequestResult]] = {}
     progress = _Progress(len(prompts) * len(modes), enabled=not args.no_progress and sys.stderr.isatty())

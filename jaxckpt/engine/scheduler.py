@@ -15,6 +15,7 @@ metadata handed to the model, and is committed to the cache after the forward re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -290,10 +291,13 @@ class HybridRunner:
     to `num_checkpoints` entries, so a demo or test run compiles one prefill and one decode shape. Decode steps stay
     unpadded by default: the ops return one output per decode row when a step holds only decode rows, so padding
     tokens there would not line up. `fill` is the initial value of every cache entry (nan poisons unwritten ones).
+
+    With a `mesh`, the model runs split by head over its axis `axis` (`jaxckpt.models.sharded.ShardedHybrid`): the
+    caches live in the sharded layout, the steps and every decision about them stay global.
     """
 
     def __init__(self, model, *, prefill_tokens: int = 256, decode_tokens: int = 1, num_checkpoints: int = 16,
-                 fill: float = 0.0):
+                 fill: float = 0.0, mesh=None, axis: str = "heads"):
         self.model = model
         self.fill = fill
         config = model.config
@@ -302,8 +306,16 @@ class HybridRunner:
         self.prefill_tokens = check_positive(prefill_tokens, name="prefill_tokens")
         self.decode_tokens = check_positive(decode_tokens, name="decode_tokens")
         self.num_checkpoints = check_positive(num_checkpoints, name="num_checkpoints")
-        self._forward = hybrid.forward
-        self._graphdef, self._state = nnx.split(model)
+        if mesh is None:
+            self.sharded = None
+            self._forward = functools.partial(hybrid.forward, *nnx.split(model))
+            self._init_caches = model.init_caches
+        else:
+            from jaxckpt.models.sharded import ShardedHybrid
+
+            self.sharded = ShardedHybrid(model, mesh, axis=axis)
+            self._forward = self.sharded.forward
+            self._init_caches = self.sharded.init_caches
         self.compile_seconds = 0.0
         self.compiled: dict[tuple, float] = {}
         self.caches = None
@@ -313,7 +325,7 @@ class HybridRunner:
 
     def reset(self, *, num_kv_pages: int, num_state_slots: int):
         self.num_kv_pages, self.num_state_slots = num_kv_pages, num_state_slots
-        self.caches = self.model.init_caches(num_kv_pages, num_state_slots, fill=self.fill)
+        self.caches = self._init_caches(num_kv_pages, num_state_slots, fill=self.fill)
 
     def forward(self, step: Step) -> np.ndarray:
         if self.caches is None:
@@ -340,10 +352,14 @@ class HybridRunner:
             began = time.perf_counter()
             for _ in range(2):
                 scratch = jax.tree.map(jnp.copy, self.caches)
-                jax.block_until_ready(self._forward(self._graphdef, self._state, tokens, meta, scratch))
+                jax.block_until_ready(self._forward(tokens, meta, scratch))
             self.compiled[key] = time.perf_counter() - began
             self.compile_seconds += self.compiled[key]
-        logits, self.caches = self._forward(self._graphdef, self._state, tokens, meta, self.caches)
+        logits, self.caches = self._forward(tokens, meta, self.caches)
+        if self.sharded is not None:
+            # the engine publishes this step's slots when forward returns, and reading the logits waits for one
+            # shard only: wait until every shard has written its part of the caches
+            jax.block_until_ready(self.caches)
         return np.asarray(logits)[:num_rows]
 
     def reference_logits(self, tokens: Sequence[int]) -> np.ndarray:

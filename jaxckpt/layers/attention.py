@@ -1,8 +1,10 @@
 """Causal GQA/MHA with RoPE over a paged KV cache, in plain jnp (correct before fast).
 
 Each step writes its tokens' K/V into the cache pages named by the block tables, then every query token attends over
-the pages of its row up to its own position (context and this step's tokens alike). Pages are gathered per token,
-a tile of tokens at a time, so memory stays at [tile, MAXB * block_size, kv_heads, head_dim].
+the pages of its row up to its own position (context and this step's tokens alike). Queries go a tile at a time: a
+tile inside one row gathers that row's pages once ([MAXB * block_size, kv_heads, head_dim]) and attends densely;
+the few tiles that straddle rows gather per token. fp32 caches attend at HIGHEST precision (the CPU tests compare
+against an uncached reference); 16-bit caches use the tensor cores with fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -28,14 +30,18 @@ def rope(x, positions, *, theta: float):
 
 
 def _attend(q, k, v, valid):
-    """q [Hkv, r, D] (scaled); k, v [L, Hkv, D]; valid bool[L] -> [Hkv, r, D] fp32."""
-    # masked keys/values may be garbage (other sequences' pages, never-written NaN pages): zero them, not just mask
-    k = jnp.where(valid[:, None, None], k.astype(jnp.float32), 0.0)
-    v = jnp.where(valid[:, None, None], v.astype(jnp.float32), 0.0)
-    scores = jnp.einsum("grd,lgd->grl", q, k, precision=_HIGHEST)
-    scores = jnp.where(valid, scores, -jnp.inf)
+    """q [Q, Hkv, r, D] (scaled, fp32); k, v [L, Hkv, D]; valid bool[Q, L] -> [Q, Hkv, r, D] fp32."""
+    # keys no query may read can be garbage (other rows' pages, never-written NaN pages): zero them, not just mask
+    readable = valid.any(axis=0)[:, None, None]
+    k = jnp.where(readable, k, jnp.zeros((), k.dtype))
+    v = jnp.where(readable, v, jnp.zeros((), v.dtype))
+    precision = _HIGHEST if k.dtype == jnp.float32 else None
+    scores = jnp.einsum("qgrd,lgd->qgrl", q.astype(k.dtype), k, precision=precision,
+                        preferred_element_type=jnp.float32)
+    scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("grl,lgd->grd", probs, v, precision=_HIGHEST)
+    return jnp.einsum("qgrl,lgd->qgrd", probs.astype(v.dtype), v, precision=precision,
+                      preferred_element_type=jnp.float32)
 
 
 class Attention(nnx.Module):
@@ -95,14 +101,27 @@ class Attention(nnx.Module):
         v_pages = v_pages.at[page, within].set(v.astype(v_pages.dtype), mode="drop")
         span = meta.block_tables.shape[1] * self.block_size
 
-        def attend_token(args):
-            q_t, row, pos = args
+        def row_pages(row):
             pages = meta.block_tables[row]  # [MAXB]
-            keys = k_pages[pages].reshape(span, self.num_kv_heads, self.head_dim)
-            values = v_pages[pages].reshape(span, self.num_kv_heads, self.head_dim)
-            return _attend(q_t, keys, values, jnp.arange(span) <= pos)
+            shape = (span, self.num_kv_heads, self.head_dim)
+            return k_pages[pages].reshape(shape), v_pages[pages].reshape(shape)
 
-        out = jax.lax.map(attend_token, (q, rows, positions), batch_size=self.query_tile)  # [T, Hkv, r, D]
+        def attend_token(q_t, row, pos):
+            return _attend(q_t[None], *row_pages(row), (jnp.arange(span) <= pos)[None])[0]
+
+        def attend_tile(args):
+            q_tile, row_tile, pos_tile = args  # [Q, Hkv, r, D], i32[Q], i32[Q]
+            valid = jnp.arange(span)[None, :] <= pos_tile[:, None]  # [Q, span]
+            return jax.lax.cond(row_tile[0] == row_tile[-1],
+                                lambda: _attend(q_tile, *row_pages(row_tile[0]), valid),
+                                lambda: jax.vmap(attend_token)(q_tile, row_tile, pos_tile))
+
+        tile = self.query_tile
+        pad = -num_tokens % tile
+        # padding queries repeat the last token's row and position, so they never make a tile straddle rows
+        tiles = [jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]).reshape(-1, tile, *a.shape[1:])
+                 for a in (q, rows, positions)]
+        out = jax.lax.map(attend_tile, tiles).reshape(num_tokens + pad, *q.shape[1:])[:num_tokens]
         out = out.reshape(num_tokens, self.num_heads * self.head_dim).astype(x.dtype)
         return self.o_proj(out), (k_pages, v_pages)
 
@@ -111,5 +130,7 @@ class Attention(nnx.Module):
         num_tokens = x.shape[0]
         q, k, v = self._qkv(x, jnp.arange(num_tokens))
         causal = jnp.arange(num_tokens)[None, :] <= jnp.arange(num_tokens)[:, None]  # [T, T]
-        out = jax.vmap(_attend, in_axes=(0, None, None, 0))(q, k, v, causal)
+        scores = jnp.einsum("tgrd,lgd->tgrl", q, k.astype(jnp.float32), precision=_HIGHEST)
+        probs = jax.nn.softmax(jnp.where(causal[:, None, None, :], scores, -jnp.inf), axis=-1)
+        out = jnp.einsum("tgrl,lgd->tgrd", probs, v.astype(jnp.float32), precision=_HIGHEST)
         return self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype))

@@ -93,6 +93,16 @@ class HybridConfig:
         return cls(**(fields | overrides))
 
     @classmethod
+    def tiny_sharded(cls, **overrides) -> HybridConfig:
+        """`tiny()` with every head count (and the MLP width) a multiple of 8, so meshes of 1, 2, 4 and 8 devices
+        shard it by head (`jaxckpt.models.sharded`); Mamba2 has 2 groups, split over 1 or 2 devices and shared by
+        the shards of a group over 4 or 8."""
+        fields = dict(num_heads=8, num_kv_heads=8, head_dim=8, gdn_num_k_heads=8, gdn_num_v_heads=16,
+                      gdn_head_k_dim=8, gdn_head_v_dim=8, mamba_num_heads=8, mamba_head_dim=8, mamba_d_state=8,
+                      mamba_n_groups=2, kda_num_heads=8, kda_head_dim=8)
+        return cls.tiny(**(fields | overrides))
+
+    @classmethod
     def bench(cls, **overrides) -> HybridConfig:
         """Qwen3-Next-like: d_model 2048, GDN 16 key / 32 value heads of 128, one attention per three GDN, bf16."""
         fields = dict(vocab_size=32768, d_model=2048, layer_types=("gdn", "gdn", "gdn", "attention") * 2,
@@ -162,6 +172,10 @@ def _mixer(config: HybridConfig, layer_type: str, *, dtype, rngs: nnx.Rngs):
                               **common)
 
 
+def _whole(y):  # a block's partial sums on one device: already the whole sum
+    return y
+
+
 class Block(nnx.Module):
     """x + mixer(norm(x)), then x + mlp(norm(x))."""
 
@@ -172,10 +186,12 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.d_model, eps=config.rms_norm_eps, dtype=dtype)
         self.mlp = SwiGLU(config.d_model, config.d_ff, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, meta: StepMetadata, pools):
+    def __call__(self, x, meta: StepMetadata, pools, *, reduce=_whole):
+        """`reduce` sums the per-shard partial outputs of the mixer and the MLP under head sharding (a psum); on one
+        device they are whole already."""
         mixed, pools = self.mixer(self.input_layernorm(x), meta, pools)
-        x = x + mixed
-        return x + self.mlp(self.post_attention_layernorm(x)), pools
+        x = x + reduce(mixed)
+        return x + reduce(self.mlp(self.post_attention_layernorm(x))), pools
 
     def reference(self, x, *, implementation):
         x = x + self.mixer.reference(self.input_layernorm(x), implementation=implementation)
@@ -221,15 +237,16 @@ class HybridModel(nnx.Module):
                                     for shape in mixer.state_shapes))
         return Caches(tuple(layers), self.config.layer_types)
 
-    def __call__(self, tokens, meta: StepMetadata, caches: Caches):
+    def __call__(self, tokens, meta: StepMetadata, caches: Caches, *, reduce=_whole):
         """tokens i32[T] packed as meta.cu_seqlens; returns (logits fp32 [N, vocab] of each row's last token, caches).
 
         Pure: caches in, new caches out (donate them through `forward`). Rows past the real batch give garbage.
+        `reduce`: see `Block` (set by `jaxckpt.models.sharded`).
         """
         x = self.embed_tokens(tokens)  # [T, d_model]
         new_layers = []
         for block, pools in zip(self.layers, caches.layers):
-            x, pools = block(x, meta, pools)
+            x, pools = block(x, meta, pools, reduce=reduce)
             new_layers.append(pools)
         last = jnp.maximum(meta.cu_seqlens[1:] - 1, 0)  # [N]
         logits = self.lm_head(self.norm(x[last])).astype(jnp.float32)

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
+from jaxckpt.ops.common.xla_arrays import check_float, packed_metadata
 from jaxckpt.plan.checks import delta_dims
 from jaxckpt.plan.conventions import check_positive, check_state_layout
 from jaxckpt.plan.layout import chunk_layout
@@ -68,22 +69,12 @@ L2NORM_EPS = 1e-6
 SUB_BLOCK = 8
 
 
-def _check_float(x, *, name: str):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{name}: dtype must be floating point, got {x.dtype}")
-
-
-def _check_int_vector(x, *, name: str):
-    if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
-        raise ValueError(f"{name}: expected a 1-D integer array, got shape {x.shape} dtype {x.dtype}")
-
-
 def check_static(q, k, v, g, beta, *, per_channel_decay: bool, scale, initial_state, cu_seqlens, checkpoint_cu,
                  checkpoint_offsets, state_layout: str, chunk_size: int, checkpoint_method: str,
                  state_pass: str = "associative"):
     """Trace-time checks of shapes, dtypes and options (concrete metadata is validated by the caller)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _check_float(x, name=name)
+        check_float(x, name=name)
     _, _, head_k, num_v_heads, head_v = delta_dims(q, k, v, g, beta, per_channel_decay=per_channel_decay)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale)):
@@ -94,22 +85,10 @@ def check_static(q, k, v, g, beta, *, per_channel_decay: bool, scale, initial_st
         raise ValueError(f"checkpoint_method: must be one of {CHECKPOINT_METHODS}, got {checkpoint_method!r}")
     if state_pass not in STATE_PASSES:
         raise ValueError(f"state_pass: must be one of {STATE_PASSES}, got {state_pass!r}")
-    num_rows = 1
-    if cu_seqlens is not None:
-        _check_int_vector(cu_seqlens, name="cu_seqlens")
-        if cu_seqlens.shape[0] < 2:
-            raise ValueError(f"cu_seqlens: needs at least 2 entries (N + 1 for N >= 1 rows), got {cu_seqlens.shape[0]}")
-        num_rows = cu_seqlens.shape[0] - 1
-    if (checkpoint_cu is None) != (checkpoint_offsets is None):
-        raise ValueError("checkpoint_cu and checkpoint_offsets: give both or neither")
-    if checkpoint_cu is not None:
-        _check_int_vector(checkpoint_cu, name="checkpoint_cu")
-        _check_int_vector(checkpoint_offsets, name="checkpoint_offsets")
-        if checkpoint_cu.shape[0] != num_rows + 1:
-            raise ValueError(f"checkpoint_cu: needs N + 1 = {num_rows + 1} entries (one more than rows), "
-                             f"got {checkpoint_cu.shape[0]}")
+    cu_seqlens, _, _ = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets, q.shape[0])
+    num_rows = cu_seqlens.shape[0] - 1
     if initial_state is not None:
-        _check_float(initial_state, name="initial_state")
+        check_float(initial_state, name="initial_state")
         kv = (num_rows, num_v_heads, head_k, head_v)
         expected = kv if state_layout == "kv" else (num_rows, num_v_heads, head_v, head_k)
         if initial_state.shape != expected:
