@@ -12,6 +12,9 @@ lie on the 64 grid so the native path sees the same checkpoints. A failing path 
 Timing: FLA 0.6.0 plain (final states only), split with one checkpoint per row (the row's last 512-token boundary;
 host planning and gathers included), and KDA with intermediate states, at the anchor shapes (B, T, H) = (1, 8192, 16),
 (1, 32768, 16), (8, 4096, 32), K = V = 128, all as packed varlen rows (B = 1, cu_seqlens) with fp32 initial states.
+The checkpoint exporter on its own (`torch_bridge.ops.exporter.export_checkpoints`: conv windows of a GDN layer's
+q|k|v channels, W = 4, read as a column band of a fused projection, plus the fp32 recurrent states into paged
+pools) at the same shapes, one checkpoint per row and one per 1024 tokens.
 """
 
 from __future__ import annotations
@@ -234,22 +237,60 @@ def timing(recorder: Recorder) -> None:
             recorder.write()
 
 
+def export_timing(recorder: Recorder) -> None:
+    import torch
+
+    from bench.ops_bench import checkpoint_lists
+    from torch_bridge.ops.exporter import export_checkpoints
+
+    width, head = 4, 128
+    for B, T, H in ANCHOR_SHAPES:
+        lengths = [T] * B
+        shape = {"B": B, "T": T, "H": H, "K": head, "V": head, "conv_width": width}
+        channels = 3 * H * head
+        # a fused projection [T, q|k|v|z|b|a]: the conv input is a column band, stride(0) > D
+        fused = torch.randn(B * T, channels + H * head + 2 * H, device="cuda", dtype=torch.bfloat16)
+        x = fused[:, :channels]
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        for mode in ("per_row", "every_1024"):
+            ccu, offsets = checkpoint_lists(lengths, mode)
+            M = int(offsets.size)
+            slots = np.arange(1, M + 1, dtype=np.int32)
+            conv_pool = torch.zeros(M + 1, channels, width - 1, device="cuda", dtype=torch.bfloat16)
+            state_pool = torch.zeros(M + 1, H, head, head, device="cuda")
+            states = torch.randn(M, H, head, head, device="cuda")
+            args = (x, conv_pool, cu, ccu, offsets, slots)
+            try:
+                recorder.add(op="exporter", implementation="torch_bridge.triton", shape=shape, rows=lengths,
+                             checkpoints=mode, num_checkpoints=M, dtype="bf16 conv, fp32 state",
+                             note="host checks included", **torch_time(lambda: export_checkpoints(
+                                 *args, conv_width=width, recurrent_checkpoints=states,
+                                 recurrent_state_pool=state_pool)))
+            except Exception as error:  # noqa: BLE001
+                traceback.print_exc()
+                recorder.add(op="exporter", implementation="torch_bridge.triton", shape=shape, checkpoints=mode,
+                             median_ms=None, note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+        recorder.write()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--name", default="parity")
-    parser.add_argument("--only", choices=("parity", "timing"))
+    parser.add_argument("--only", choices=("parity", "timing", "export"))
     args = parser.parse_args(argv)
     out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
-    if args.only != "timing":
+    if args.only in (None, "parity"):
         print("== parity", flush=True)
         payload = {"schema": 1, "name": args.name, "device": device(), "versions": versions(), "results": parity()}
         (out_dir / f"{args.name}.json").write_text(json.dumps(payload, indent=1))
         (out_dir / f"{args.name}.md").write_text(parity_markdown(payload))
         print(f"wrote {out_dir / args.name}.json/.md", flush=True)
     if args.only != "parity":
-        recorder = Recorder(f"{args.name}_timing", out_dir)
-        timing(recorder)
+        recorder = Recorder(f"{args.name}_{args.only or 'timing'}", out_dir)
+        if args.only != "export":
+            timing(recorder)
+        export_timing(recorder)
         print(f"wrote {recorder.write()}", flush=True)
 
 
