@@ -89,6 +89,16 @@ assert [a.shape for a in got] == [a.shape for a in want] and want[2].shape[0] ==
 assert rel(got[0], want[0]) <= 1e-6 and rel(got[1], want[1]) <= 1e-6
 print("gdn: split and batched ok")
 
+# the Pallas kernels (interpret mode here) run unchecked under the map: they declare no varying manual axes
+pq, pk, pv = f32(T, 2, 16), f32(T, 2, 16), f32(T, 4, 16)
+pg, pbeta = -jax.nn.softplus(f32(T, 4)), jax.nn.sigmoid(f32(T, 4))
+popts = dict(chunk_size=16, implementation="pallas_triton", kernel_options={"interpret": True})
+want = jax.jit(lambda: gated_delta_rule(pq, pk, pv, pg, pbeta, **meta, **popts))()
+got = gated_delta_rule_sharded(meshes[2], pq, pk, pv, pg, pbeta, **meta, **popts)
+assert rel(got[0][:cu[-1]], want[0][:cu[-1]]) <= 1e-6 and rel(got[1], want[1]) <= 1e-6
+assert rel(got[2][:real], want[2][:real]) <= 1e-6
+print("gdn: pallas_triton under the map ok")
+
 g_raw, A_log, dt_bias = f32(T, HV, K), f32(HV, scale=0.5), f32(HV * K, scale=0.5)
 h0_vk = f32(N, HV, V, K, scale=0.3)
 kopts = dict(opts, state_layout="vk", A_log=A_log, dt_bias=dt_bias)
