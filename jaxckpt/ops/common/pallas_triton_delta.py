@@ -2,21 +2,23 @@
 exporting checkpoint states from inside the sequential pass.
 
 The math (WY/UT form, in-chunk checkpoint formula) is in `jaxckpt/ops/gdn/README.md` and `jaxckpt/ops/kda/README.md`.
-Four launches, FLA-like (`chunk_gated_delta_rule` / `chunk_kda`); `version=2` (default):
+Four launches (five for KDA's default intra pass), FLA-like (`chunk_gated_delta_rule` / `chunk_kda`); `version=2`
+(default):
 
 1. `_cumsum_kernel`, grid (chunk, value head): chunk-local inclusive cumulative log decay G, written chunk-major
    [HV, NC, C(, K)] in fp32. A separate pass because every later kernel reads sub-tiles and single rows of G, and
    register tiles cannot be sliced in the Triton lowering (no `slice` rule).
-2. `_intra_kernel_v2`, grid (chunk, value head): everything that does not need the carried state, on 16-row
-   sub-blocks (static loops over C / 16 <= 4 blocks, so no tile is ever sliced): A = strictly-lower beta-scaled key
-   scores, T = (I + A)^-1, W = T (beta exp(G) K), U = T (beta V), and for the later passes KD = K exp(G_last - G),
-   QG = scale Q exp(G) and the inclusive query scores AQK = scale tril(Q K^T exp(G_i - G_j)). T's diagonal 16x16
-   blocks by recursive doubling (T_2s = T_s - T_s A_s T_s, three pairs of IEEE dots, no loop), off-diagonal blocks
-   by the block merge T_IJ = -T_II sum_{J<=k<I} A_Ik T_kJ. KDA's off-diagonal score blocks use the reference-row
-   factorisation exp(G_i - G_r) exp(G_r - G_j) with r the block's first row (both factors <= 1, one matmul); its
-   diagonal blocks split every strictly-lower pair into the (lower half, upper half) quadrant of one 2s-row block,
-   s = 8, 4, 2, 1, and factorise there about the block's middle row: both factors <= 1 again, so the scores are
-   exact without a gate bound, at one exp and one dot per level (`_diag_block_scores`).
+2. `_intra_kernel_v2` (GDN; KDA's variants below), grid (chunk, value head): everything that does not need the
+   carried state, on 16-row sub-blocks (static loops over C / 16 <= 4 blocks, so no tile is ever sliced): A =
+   strictly-lower beta-scaled key scores, T = (I + A)^-1, W = T (beta exp(G) K), U = T (beta V), and for the later
+   passes KD = K exp(G_last - G), QG = scale Q exp(G) and the inclusive query scores AQK = scale tril(Q K^T
+   exp(G_i - G_j)). T's diagonal 16x16 blocks by recursive doubling (T_2s = T_s - T_s A_s T_s, three pairs of IEEE
+   dots, no loop), off-diagonal blocks by the block merge T_IJ = -T_II sum_{J<=k<I} A_Ik T_kJ. KDA's off-diagonal
+   score blocks use the reference-row factorisation exp(G_i - G_r) exp(G_r - G_j) with r the block's first row
+   (both factors <= 1, one matmul); its diagonal blocks split every strictly-lower pair into the (lower half, upper
+   half) quadrant of one 2s-row block, s = 8, 4, 2, 1, and factorise there about the block's middle row: both
+   factors <= 1 again, so the scores are exact without a gate bound, at one exp and one dot per level
+   (`_diag_block_scores`).
 3. `_state_kernel_v2`, grid (row, value head, V block): S [K, BV] fp32 carried through the row's chunks,
    v_new = U - W S, S <- exp(G_last) S + KD^T v_new, writing the chunk-entry state h and v_new (or, with
    `fuse_output`, O = QG S + AQK v_new directly, making step 4 unnecessary). The chunk loop body is straight-line:
@@ -27,6 +29,29 @@ Four launches, FLA-like (`chunk_gated_delta_rule` / `chunk_kda`); `version=2` (d
    unchanged by checkpoints. Token rows are addressed from the row start (a row's chunks are contiguous), so the
    loop loads no per-chunk metadata.
 4. `_output_kernel_v2`, grid (chunk, value head, V block): O = QG h + AQK v_new.
+
+KDA's intra pass (step 2; `kda_intra`). Per-channel decay makes every score a channel sum
+sum_c a_ic k_jc exp(G_ic - G_jc). Every variant forms an off-diagonal 16x16 block (i in sub-chunk I, j in sub-chunk
+J < I) as one tensor-core dot of (a_i exp(G_i - G_r)) and (k_j exp(G_r - G_j)), r the first row of sub-chunk I
+(both factors <= 1: G is non-increasing and i >= r > j), and a diagonal block exactly: `_diag_block_scores` (the
+same factorisation on every level of a 16 -> 8 -> 4 -> 2 split) or, with `kda_diag="pairs"`, the direct per-pair
+form one key row at a time; the derivation is in `jaxckpt/ops/kda/README.md`. The variants differ in what a program
+holds, which decides their speed: a [16, K] x [K, 16] dot keeps both operands whole in every warp (64 + 64 fp32
+registers per thread at K = 128).
+- "resident" (default until the GPU timing below is run; `_intra_kernel_v2`, the first version 2): one program per chunk and head holding every sub-chunk's
+  q, k, G, beta exp(G) K and beta V, K = 128 wide. ptxas for sm_90 (offline: this module's lowering compiled by
+  pip Triton 3.8, `bench/pallas_delta_variants.py --ptxas`; bf16, K = V = 128): 168 registers plus 14.5 KB of spill
+  stores and 17 KB of spill loads per thread, the likely cause of the measured 5.4 ms (T 8192, H 16; GDN's intra
+  pass, 648 B of spills: 0.31 ms).
+- "streamed" (`_kda_intra_kernel_streamed`): one launch as well, but row block by row block, the K axis in column
+  blocks of `kda_block_k` (default 32), and every [16, K]-sized operand loaded again where it is used (L1/L2 hits)
+  instead of held: 255 registers, 0.2 / 0.4 KB of spills.
+- "split" (the candidate default, not yet timed on a GPU; `_kda_scores_kernel` then `_kda_solve_kernel`): launch A, grid (chunk, head, sub-chunk I), writes
+  row block I of the beta-scaled key scores (fp32 [HV, NC, C, C]), the query scores, KD and QG: 140 registers, no
+  spills, 4x the programs; launch B, grid (chunk, head), reads the key scores and runs the streamed kernel's solve
+  (T, W, U): 200 registers, no spills. Costs one fp32 [C, C] round trip (16 KB) per chunk and head.
+Exps in these kernels are exp2(x log2 e) (one MUFU.EX2; libdevice's expf, what jnp.exp lowers to, is about 8
+instructions).
 
 `version=1` is the first design, kept selectable for comparison: the same four launches, but T's diagonal blocks by
 forward substitution (15 masked row updates), KDA's diagonal score blocks by a 16-step exact loop of pairwise exps
@@ -66,7 +91,9 @@ SUB = 16
 MAX_HEAD_DIM = 256
 L2NORM_EPS = 1e-6
 TUNING_KEYS = ("num_warps", "num_stages", "block_v", "intra_num_warps", "output_block_v", "version",
-               "fuse_output")
+               "fuse_output", "kda_intra", "kda_diag", "kda_block_k")
+KDA_INTRA = ("split", "streamed", "resident")
+KDA_DIAG = ("doubling", "pairs")
 _HIGHEST = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
 
@@ -99,6 +126,12 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
         return f"tuning: version must be 1 or 2, got {tuning['version']!r}"
     if tuning.get("fuse_output") and tuning.get("version", 2) != 2:
         return "tuning: fuse_output needs version 2"
+    for key, allowed in (("kda_intra", KDA_INTRA), ("kda_diag", KDA_DIAG)):
+        if tuning.get(key, allowed[0]) not in allowed:
+            return f"tuning: {key} must be one of {allowed}, got {tuning[key]!r}"
+    bk = tuning.get("kda_block_k")
+    if bk is not None and (not _is_pow2(bk) or not SUB <= bk <= min(head_k, head_v)):
+        return f"tuning: kda_block_k must be a power of two in [{SUB}, min(K, V)={min(head_k, head_v)}], got {bk!r}"
     if not interpret and jax.default_backend() != "gpu":
         return f"backend: the Triton kernels need a GPU (or interpret=True), got {jax.default_backend()!r}"
     return None
@@ -368,7 +401,7 @@ def _half_pairs(rows, s):
     return same & lower[:, None] & ~lower[None, :]
 
 
-def _diag_block_scores(lhs, k_I, G_I, G_rows, dots):
+def _diag_block_scores(lhs, k_I, G_I, G_rows, dots, exp=jnp.exp):
     """Exact per-channel scores sum_c a_ic k_jc exp(G_ic - G_jc), j < i, of one diagonal [SUB, SUB] block per a in lhs.
 
     Every strictly-lower pair lies in exactly one (lower half, upper half) quadrant of a 2s-row block, s in
@@ -382,7 +415,7 @@ def _diag_block_scores(lhs, k_I, G_I, G_rows, dots):
         ref = rows // (2 * s) * (2 * s) + s
         lower = (rows % (2 * s) >= s)[:, None]
         G_r = G_rows(ref)  # [SUB, K]
-        e = jnp.exp(jnp.where(lower, G_I - G_r, G_r - G_I))  # both exponents <= 0
+        e = exp(jnp.where(lower, G_I - G_r, G_r - G_I))  # both exponents <= 0
         b = k_I * jnp.where(lower, 0.0, e)
         keep = _half_pairs(rows, s)
         outs = [o + jnp.where(keep, dots.exact(a * jnp.where(lower, e, 0.0), b, _NT), 0.0) for o, a in zip(outs, lhs)]
@@ -465,6 +498,235 @@ def _intra_kernel_v2(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w
 
 def _gather_rows(G_ref, base, idx):
     return G_ref[base + idx, :]
+
+
+_LOG2E = 1.4426950408889634
+
+
+def _exp(x):
+    """exp(x) as exp2(x log2 e): one MUFU.EX2 and a multiply on the GPU, where jnp.exp is libdevice's longer expf."""
+    return jnp.exp2(x * _LOG2E)
+
+
+class _KdaChunk:
+    """One chunk of one value head, as the KDA intra kernels read it: fp32 tiles of SUB token rows, K columns `cols`.
+
+    Row block J (a Python int or a traced scalar) covers chunk rows [J * SUB, (J + 1) * SUB); token rows past the
+    chunk's length load as zeros (so do their gates' increments: G stays flat there).
+    """
+
+    def __init__(self, start, length, q_ref, k_ref, v_ref, beta_ref, G_ref, *, h, group, block_k):
+        self.start, self.length, self.h, self.hk, self.block_k = start, length, h, h // group, block_k
+        self.q_ref, self.k_ref, self.v_ref, self.beta_ref, self.G_ref = q_ref, k_ref, v_ref, beta_ref, G_ref
+        self.rows = jnp.arange(SUB, dtype=jnp.int32)
+
+    def _tokens(self, ref_at, J, shape):
+        return _load_tokens(ref_at(pl.ds(self.start + J * SUB, SUB)), J * SUB + self.rows, self.length, shape)
+
+    def key(self, J, cols):
+        return self._tokens(lambda r: self.k_ref.at[r, self.hk, cols], J, (SUB, self.block_k))
+
+    def query(self, J, cols):
+        return self._tokens(lambda r: self.q_ref.at[r, self.hk, cols], J, (SUB, self.block_k))
+
+    def value(self, J, cols):
+        return self._tokens(lambda r: self.v_ref.at[r, self.h, cols], J, (SUB, self.block_k))
+
+    def beta(self, J):
+        return self._tokens(lambda r: self.beta_ref.at[r, self.h], J, (SUB,))[:, None]
+
+    def gates(self, J, cols):
+        return self.G_ref[pl.ds(J * SUB, SUB), cols]
+
+    def key_row(self, row, cols):
+        valid = jnp.broadcast_to(row < self.length, (self.block_k,))
+        return plt.load(self.k_ref.at[self.start + row, self.hk, cols], mask=valid, other=0).astype(_F32)
+
+
+def _kda_diag_scores(chunk, I, cols, k_I, q_I, G_I, *, method, dots):
+    """Diagonal block I of the key and query scores over the columns `cols`, exact: (kk strictly lower, qk lower).
+
+    method "doubling": `_diag_block_scores` (4 levels, one exp of [SUB, BK] and two dots each); "pairs": the direct
+    per-pair form, one key row j at a time (16 steps of one exp of [SUB, BK] and two row sums, no dot).
+    """
+    rows = chunk.rows
+    diagonal = rows[:, None] == rows[None, :]
+    if method == "doubling":
+        G_rows = lambda idx: chunk.G_ref[I * SUB + idx, cols]
+        kk, qk = _diag_block_scores([k_I, q_I], k_I, G_I, G_rows, dots, exp=_exp)
+        return kk, qk + jnp.where(diagonal, jnp.sum(q_I * k_I, axis=1)[:, None], 0.0)
+    kk = qk = jnp.zeros((SUB, SUB), _F32)
+    for j in range(SUB):
+        row = I * SUB + j
+        G_j = chunk.G_ref[row, cols][None, :]
+        k_j = chunk.key_row(row, cols)[None, :] * _exp(jnp.where((rows >= j)[:, None], G_I - G_j, -jnp.inf))
+        at_j = rows[None, :] == j
+        kk = jnp.where(at_j & (rows > j)[:, None], jnp.sum(k_I * k_j, axis=1)[:, None], kk)
+        qk = jnp.where(at_j, jnp.sum(q_I * k_j, axis=1)[:, None], qk)
+    return kk, qk
+
+
+def _kda_write_row_block(chunk, I, cols, k_I, q_I, G_I, kd_ref, qg_ref, *, last, scale):
+    """Rows of row block I, columns `cols`, of KD = K exp(G_last - G) and QG = scale Q exp(G)."""
+    G_last = chunk.G_ref[last, cols][None, :]
+    kd_ref[pl.ds(I * SUB, SUB), cols] = (k_I * _exp(G_last - G_I)).astype(kd_ref.dtype)
+    qg_ref[pl.ds(I * SUB, SUB), cols] = (scale * q_I * _exp(G_I)).astype(qg_ref.dtype)
+
+
+def _kda_solve_row_block(chunk, I, A, T, w_ref, u_ref, *, head_k, head_v, dots):
+    """Row block I of T = (I + A)^-1 (into T) and of W = T (beta exp(G) K), U = T (beta V) (into w_ref, u_ref).
+
+    A[J], J <= I: the beta-scaled score blocks of row block I; T holds the blocks of the earlier row blocks. The
+    diagonal block by doubling, then T_IJ = -T_II sum_{J<=m<I} A_Im T_mJ; W and U per column block of the operands,
+    (beta exp(G) K)_J and (beta V)_J loaded again for every row block rather than held.
+    """
+    T[I, I] = _doubling_inverse(A[I])
+    for J in range(I):
+        merged = sum(dots.exact(A[m], T[m, J]) for m in range(J, I))
+        T[I, J] = -dots.exact(T[I, I], merged)
+    betas = [chunk.beta(J) for J in range(I + 1)]
+    block_k = chunk.block_k
+
+    def w_step(kb, carry):
+        cols = pl.ds(kb * block_k, block_k)
+        w = sum(dots.exact(T[I, J], betas[J] * _exp(chunk.gates(J, cols)) * chunk.key(J, cols)) for J in range(I + 1))
+        w_ref[pl.ds(I * SUB, SUB), cols] = w.astype(w_ref.dtype)
+        return carry
+
+    def u_step(vb, carry):
+        cols = pl.ds(vb * block_k, block_k)
+        u = sum(dots.exact(T[I, J], betas[J] * chunk.value(J, cols)) for J in range(I + 1))
+        u_ref[pl.ds(I * SUB, SUB), cols] = u.astype(u_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, head_k // block_k, w_step, 0)
+    jax.lax.fori_loop(0, head_v // block_k, u_step, 0)
+
+
+def _kda_intra_kernel_streamed(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref,
+                               aqk_ref, *, chunk, group, scale, block_k, diag, dots):
+    """`kda_intra="streamed"`, grid (chunk, value head): `_intra_kernel_v2`'s outputs in one launch, small tiles.
+
+    Row block I (a static loop) runs
+      1. its scores against every block J <= I (`_kda_row_block_scores`), accumulated over K column blocks of
+         `block_k` (a loop): per column block q_I, k_I, G_I and the k_J, G_J of the earlier blocks are loaded again,
+         never held (KD and QG rows are written on the way); only the 16x16 accumulators are carried;
+      2. its row block of T, W and U (`_kda_solve_row_block`).
+    Only the 16x16 blocks of T (at most 10) live across row blocks.
+
+    Off-diagonal block (I, J), J < I, reference row r = I * SUB (the first row of block I): for i in I and j in J,
+    G_i - G_r <= 0 (i >= r) and G_r - G_j <= 0 (r > j), so both factors of exp(G_i - G_j) = exp(G_i - G_r)
+    exp(G_r - G_j) lie in (0, 1] and their product is the exact score (an underflowed factor stands for a score
+    below e^-87 |k_i| |k_j|). Diagonal blocks: `_kda_diag_scores`.
+    """
+    c, h = pl.program_id(0), pl.program_id(1)
+    head_k, head_v = k_ref.shape[-1], v_ref.shape[-1]
+    ck = _KdaChunk(start_ref[c], len_ref[c], q_ref, k_ref, v_ref, beta_ref, G_ref, h=h, group=group, block_k=block_k)
+    T = {}
+    for I in range(chunk // SUB):
+        scores = _kda_row_block_scores(ck, I, kd_ref, qg_ref, chunk=chunk, scale=scale, diag=diag, dots=dots)
+        b_I = ck.beta(I)
+        _kda_write_query_scores(I, scores, aqk_ref, chunk=chunk, scale=scale)
+        _kda_solve_row_block(ck, I, [b_I * kk for kk, _ in scores], T, w_ref, u_ref, head_k=head_k, head_v=head_v,
+                             dots=dots)
+
+
+def _kda_row_block_scores(ck, I, kd_ref, qg_ref, *, chunk, scale, diag, dots):
+    """[(kk, qk)] for J <= I: row block I's key and query scores against block J (16x16 each, no beta, no scale).
+
+    A loop over the K column blocks: per column block q_I, k_I, G_I are loaded once, KD and QG rows written, the
+    diagonal block formed by `_kda_diag_scores` and each off-diagonal block J < I by one dot of the rebased tiles
+    (reference row r = I * SUB; the k_J, G_J are loaded again rather than held).
+    """
+    block_k, head_k = ck.block_k, ck.k_ref.shape[-1]
+    zeros = jnp.zeros((SUB, SUB), _F32)
+
+    def step(kb, acc):
+        cols = pl.ds(kb * block_k, block_k)
+        k_I, q_I, G_I = ck.key(I, cols), ck.query(I, cols), ck.gates(I, cols)
+        _kda_write_row_block(ck, I, cols, k_I, q_I, G_I, kd_ref, qg_ref, last=chunk - 1, scale=scale)
+        kk, qk = _kda_diag_scores(ck, I, cols, k_I, q_I, G_I, method=diag, dots=dots)
+        acc = list(acc)
+        acc[I] = (acc[I][0] + kk, acc[I][1] + qk)
+        if I > 0:
+            G_r = ck.G_ref[I * SUB, cols][None, :]  # reference row of the off-diagonal blocks of row block I
+            to_r = _exp(G_I - G_r)
+            a_k, a_q = k_I * to_r, q_I * to_r
+            for J in range(I):
+                b = ck.key(J, cols) * _exp(G_r - ck.gates(J, cols))
+                acc[J] = (acc[J][0] + dots.exact(a_k, b, _NT), acc[J][1] + dots.exact(a_q, b, _NT))
+        return tuple(acc)
+
+    return jax.lax.fori_loop(0, head_k // block_k, step, ((zeros, zeros),) * (I + 1))
+
+
+def _kda_write_query_scores(I, scores, aqk_ref, *, chunk, scale):
+    """Row block I of the stored query scores: scale * qk for J <= I, zeros above the diagonal."""
+    for J in range(chunk // SUB):
+        qk = scale * scores[J][1] if J <= I else jnp.zeros((SUB, SUB), _F32)
+        aqk_ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] = qk.astype(aqk_ref.dtype)
+
+
+def _kda_scores_kernel(start_ref, len_ref, q_ref, k_ref, beta_ref, G_ref, akk_ref, aqk_ref, kd_ref, qg_ref, *, chunk,
+                       group, scale, block_k, diag, dots):
+    """`kda_intra="split"`, first launch, grid (chunk, value head, row block I): its scores.
+
+    Writes the beta-scaled key scores A_IJ (fp32, J <= I; the blocks above are never read), the query scores
+    scale Aqk_IJ (zeros above the diagonal) and row block I of KD and QG. Per block J a loop over K column blocks
+    accumulates one 16x16 pair of scores (rebased dot for J < I, `_kda_diag_scores` for J = I), so a program holds
+    two [SUB, block_k] row tiles and two 16x16 accumulators: many small programs instead of one per chunk.
+    """
+    c, h, I = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    head_k = k_ref.shape[-1]
+    ck = _KdaChunk(start_ref[c], len_ref[c], q_ref, k_ref, None, beta_ref, G_ref, h=h, group=group, block_k=block_k)
+    zeros = jnp.zeros((SUB, SUB), _F32)
+    b_I = ck.beta(I)
+    block = lambda J: (pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB))
+    columns = lambda step, init: jax.lax.fori_loop(0, head_k // block_k, step, init)
+
+    def diag_step(kb, acc):
+        cols = pl.ds(kb * block_k, block_k)
+        k_I, q_I, G_I = ck.key(I, cols), ck.query(I, cols), ck.gates(I, cols)
+        _kda_write_row_block(ck, I, cols, k_I, q_I, G_I, kd_ref, qg_ref, last=chunk - 1, scale=scale)
+        kk, qk = _kda_diag_scores(ck, I, cols, k_I, q_I, G_I, method=diag, dots=dots)
+        return acc[0] + kk, acc[1] + qk
+
+    kk, qk = columns(diag_step, (zeros, zeros))
+    akk_ref[block(I)] = b_I * kk
+    aqk_ref[block(I)] = (scale * qk).astype(aqk_ref.dtype)
+
+    def off_diagonal(J, carry):
+        def step(kb, acc):
+            cols = pl.ds(kb * block_k, block_k)
+            G_r = G_ref[I * SUB, cols][None, :]  # the first row of block I: both factors <= 1 (streamed kernel)
+            to_r = _exp(ck.gates(I, cols) - G_r)
+            b = ck.key(J, cols) * _exp(G_r - ck.gates(J, cols))
+            return (acc[0] + dots.exact(ck.key(I, cols) * to_r, b, _NT),
+                    acc[1] + dots.exact(ck.query(I, cols) * to_r, b, _NT))
+
+        kk, qk = columns(step, (zeros, zeros))
+        akk_ref[block(J)] = b_I * kk
+        aqk_ref[block(J)] = (scale * qk).astype(aqk_ref.dtype)
+        return carry
+
+    def above(J, carry):
+        aqk_ref[block(J)] = zeros.astype(aqk_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, I, off_diagonal, 0)
+    jax.lax.fori_loop(I + 1, chunk // SUB, above, 0)
+
+
+def _kda_solve_kernel(start_ref, len_ref, k_ref, v_ref, beta_ref, G_ref, akk_ref, w_ref, u_ref, *, chunk, group,
+                      block_k, dots):
+    """`kda_intra="split"`, second launch, grid (chunk, value head): T, W and U from the stored key scores."""
+    c, h = pl.program_id(0), pl.program_id(1)
+    head_k, head_v = k_ref.shape[-1], v_ref.shape[-1]
+    ck = _KdaChunk(start_ref[c], len_ref[c], None, k_ref, v_ref, beta_ref, G_ref, h=h, group=group, block_k=block_k)
+    T = {}
+    for I in range(chunk // SUB):
+        A = [akk_ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] for J in range(I + 1)]
+        _kda_solve_row_block(ck, I, A, T, w_ref, u_ref, head_k=head_k, head_v=head_v, dots=dots)
 
 
 def _state_kernel_v2(*refs, chunk, group, channel, block_v, has_initial, has_checkpoints, fused, dots):
@@ -593,8 +855,8 @@ def _checkpoint_ranges(lay, num_chunks):
 def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm=False, initial_state=None,
                cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
                interpret=False, num_warps=4, num_stages=2, block_v=None, intra_num_warps=4, output_block_v=None,
-               version=2, fuse_output=False):
-    """The gated delta rule over packed varlen rows with checkpoint states, as four Pallas Triton launches.
+               version=2, fuse_output=False, kda_intra="resident", kda_diag="doubling", kda_block_k=None):
+    """The gated delta rule over packed varlen rows with checkpoint states, as four or five Pallas Triton launches.
 
     q, k                # [T, H, K]
     v                   # [T, HV, V]
@@ -607,7 +869,10 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     Tuning: num_warps / num_stages (state and output kernels), intra_num_warps, block_v (state pass V tile,
     default min(V, 64)), output_block_v (output kernel V tile, default min(V, 64); version 1 KDA: V, its query
     scores are rebuilt per V tile), version (2: the kernels of the module docstring, 1: the first design, kept for
-    comparison), fuse_output (version 2: the state pass writes O itself, three launches).
+    comparison), fuse_output (version 2: the state pass writes O itself, three launches); KDA with version 2 only:
+    kda_intra ("resident" default, "split", "streamed": the intra pass, see the module docstring), kda_diag
+    ("doubling" default or "pairs": how the diagonal score blocks are formed, split and streamed only), kda_block_k
+    (split and streamed: the K / V column block, default min(K, V, 32)).
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padded checkpoint entries are unspecified.
@@ -705,16 +970,43 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
             compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_output",
         )(lay.chunk_start, lay.chunk_len, q, k, G, h_states, v_new)
     else:
-        w, u, kd, qg, aqk = pl.pallas_call(
-            functools.partial(_intra_kernel_v2, chunk=chunk, group=group, channel=channel, scale=float(scale),
-                              dots=dots),
+        intra_outputs = dict(
             out_shape=(chunk_array(head_k), chunk_array(head_v), chunk_array(head_k), chunk_array(head_k),
                        chunk_array(chunk)),
-            grid=(num_chunks, num_v_heads), in_specs=[full] * 6 + [G_block],
             out_specs=(chunk_block(head_k), chunk_block(head_v), chunk_block(head_k), chunk_block(head_k),
-                       chunk_block(chunk)),
-            compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_intra",
-        )(lay.chunk_start, lay.chunk_len, q, k, v, beta, G)
+                       chunk_block(chunk)))
+        kda_block_k = kda_block_k or min(head_k, head_v, 32)
+        kda_options = dict(chunk=chunk, group=group, block_k=kda_block_k, dots=dots)
+        if channel and kda_intra == "split":
+            by_row_block = lambda c, h, i: (h, c, 0, 0)
+            akk, aqk, kd, qg = pl.pallas_call(
+                functools.partial(_kda_scores_kernel, scale=float(scale), diag=kda_diag, **kda_options),
+                out_shape=(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, chunk), _F32), chunk_array(chunk),
+                           chunk_array(head_k), chunk_array(head_k)),
+                grid=(num_chunks, num_v_heads, chunk // SUB),
+                in_specs=[full] * 5 + [pl.BlockSpec((None, None, chunk, head_k), by_row_block)],
+                out_specs=tuple(pl.BlockSpec((None, None, chunk, width), by_row_block)
+                                for width in (chunk, chunk, head_k, head_k)),
+                compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_intra_scores",
+            )(lay.chunk_start, lay.chunk_len, q, k, beta, G)
+            w, u = pl.pallas_call(
+                functools.partial(_kda_solve_kernel, **kda_options),
+                out_shape=(chunk_array(head_k), chunk_array(head_v)),
+                grid=(num_chunks, num_v_heads), in_specs=[full] * 5 + [G_block, chunk_block(chunk)],
+                out_specs=(chunk_block(head_k), chunk_block(head_v)),
+                compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_intra_solve",
+            )(lay.chunk_start, lay.chunk_len, k, v, beta, G, akk)
+        else:
+            if channel and kda_intra == "streamed":
+                intra = functools.partial(_kda_intra_kernel_streamed, scale=float(scale), diag=kda_diag,
+                                          **kda_options)
+            else:
+                intra = functools.partial(_intra_kernel_v2, chunk=chunk, group=group, channel=channel,
+                                          scale=float(scale), dots=dots)
+            w, u, kd, qg, aqk = pl.pallas_call(
+                intra, grid=(num_chunks, num_v_heads), in_specs=[full] * 6 + [G_block], **intra_outputs,
+                compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_intra",
+            )(lay.chunk_start, lay.chunk_len, q, k, v, beta, G)
         state_inputs = [cu_seqlens, lay.row_first_chunk, lay.row_num_chunks]
         if num_ckpt > 0:
             state_inputs += [*_checkpoint_segments(lay, checkpoint_cu), ck_start, ck_count, ck_pos, k]
