@@ -12,6 +12,7 @@ REGISTRY = MappingProxyType({
     "reference": "jaxckpt.ops.gdn.reference:gated_delta_rule",
     "xla": "jaxckpt.ops.gdn.xla:gated_delta_rule",
     "pallas_triton": "jaxckpt.ops.gdn.pallas_triton:gated_delta_rule",
+    "sequence_parallel": "jaxckpt.ops.gdn.sequence_parallel:gated_delta_rule",
 })
 
 
@@ -27,10 +28,12 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initi
     initial_state   # [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk"); None = zeros
     cu_seqlens      # i32[N + 1]; checkpoint_cu i32[N + 1] + checkpoint_offsets i32[M]: CSR, query-relative offsets
 
-    `implementation`: "reference" (float64 numpy), "xla", "pallas_triton", or None for the fastest that supports the
-    call here. `checkpoint_method`: "in_chunk" (fixed chunk grid; outputs bitwise unchanged by checkpoints),
-    "forced_break" (a chunk starts at every checkpoint) or "split" (launch j runs segment j of every row; host
-    metadata). The first `num_decodes` rows must be single tokens; they skip the chunk machinery.
+    `implementation`: "reference" (float64 numpy), "xla", "pallas_triton", "sequence_parallel" (long rows cut into
+    pieces joined by their affine state maps; options via `kernel_options`, see `jaxckpt.ops.gdn.sequence_parallel`),
+    or None for the fastest that supports the call here (never "sequence_parallel": name it).
+    `checkpoint_method`: "in_chunk" (fixed chunk grid; outputs bitwise unchanged by checkpoints), "forced_break" (a
+    chunk starts at every checkpoint) or "split" (launch j runs segment j of every row; host metadata). The first
+    `num_decodes` rows must be single tokens; they skip the chunk machinery.
     Returns (o [T, HV, V], final_state fp32 [N, ...], checkpoint_states fp32 [M, ...]; M = 0 without checkpoints).
     """
     options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, state_layout=state_layout)
