@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxckpt.ops.common import pallas_triton_delta
+from jaxckpt.ops.common.pallas_triton_tiles import Dots
 from jaxckpt.ops.gdn import pallas_triton as gdn_pallas
 from jaxckpt.ops.gdn import reference as gdn_reference
 from jaxckpt.ops.kda import pallas_triton as kda_pallas
@@ -163,7 +164,7 @@ def test_diagonal_block_helpers_are_exact_under_strong_decays():
     a, k = rng.normal(size=(2, sub, head_k))
     pairs = a[:, None, :] * k[None, :, :] * np.exp(np.minimum(G[:, None, :] - G[None, :, :], 0.0))
     expected = np.where(np.tri(sub, k=-1, dtype=bool), pairs.sum(-1), 0.0)
-    dots = pallas_triton_delta._Dots(jnp.float32)
+    dots = Dots(jnp.float32)
     G32 = jnp.asarray(G, jnp.float32)
     (scores,) = pallas_triton_delta._diag_block_scores([jnp.asarray(a, jnp.float32)], jnp.asarray(k, jnp.float32),
                                                        G32, lambda idx: G32[idx], dots)

@@ -84,6 +84,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxckpt.ops.common.pallas_triton_tiles import Dots, row_mask
 from jaxckpt.plan.layout import chunk_layout
 
 CHUNK_SIZES = (16, 32, 64)
@@ -137,37 +138,13 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
     return None
 
 
-class _Dots:
-    """Dot flavours: `exact` for the accuracy-critical products, `bulk` for the large ones (see module docstring)."""
-
-    def __init__(self, io_dtype):
-        self.fp32 = io_dtype == _F32
-        self.io_dtype = io_dtype
-
-    def _dot(self, a, b, dims, dtype, precision):
-        return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (dims, ((), ())), precision=precision,
-                                   preferred_element_type=_F32)
-
-    def exact(self, a, b, dims=((1,), (0,))):
-        return self._dot(a, b, dims, _F32, _HIGHEST if self.fp32 else None)
-
-    def bulk(self, a, b, dims=((1,), (0,))):
-        if self.fp32:
-            return self._dot(a, b, dims, _F32, _HIGHEST)
-        return self._dot(a, b, dims, self.io_dtype, None)
-
-
 _NT = ((1,), (1,))  # a @ b^T
 _TN = ((0,), (0,))  # a^T @ b
 
 
-def _row_mask(rows, length, shape):
-    return jnp.broadcast_to(rows.reshape(rows.shape + (1,) * (len(shape) - 1)) < length, shape)
-
-
 def _load_tokens(ref_at, rows, length, shape):
     """Masked load of token rows [start, start + rows.size) of a packed array; rows past `length` read 0."""
-    return plt.load(ref_at, mask=_row_mask(rows, length, shape), other=0).astype(_F32)
+    return plt.load(ref_at, mask=row_mask(rows, length, shape), other=0).astype(_F32)
 
 
 def _pick_row(x, rows, r):
@@ -248,7 +225,7 @@ def _intra_kernel(start_ref, len_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_re
     k_blk, kb_blk, vb_blk, b_blk, G_blk = [], [], [], [], []
     for J in range(nb):
         rows = J * SUB + sub_rows
-        k_J = plt.load(k_ref.at[pl.ds(start + J * SUB, SUB), hk, :], mask=_row_mask(rows, length, (SUB, head_k)),
+        k_J = plt.load(k_ref.at[pl.ds(start + J * SUB, SUB), hk, :], mask=row_mask(rows, length, (SUB, head_k)),
                        other=0)  # [SUB, K] input dtype
         v_J = _load_tokens(v_ref.at[pl.ds(start + J * SUB, SUB), h, :], rows, length, (SUB, head_v))
         b_J = _load_tokens(beta_ref.at[pl.ds(start + J * SUB, SUB), h], rows, length, (SUB,))
@@ -346,14 +323,14 @@ def _output_kernel(start_ref, len_ref, q_ref, k_ref, G_ref, h_ref, vnew_ref, o_r
     def _():
         if not channel:
             rows = jnp.arange(chunk, dtype=jnp.int32)
-            mask = _row_mask(rows, length, (chunk, head_k))
+            mask = row_mask(rows, length, (chunk, head_k))
             q = plt.load(q_ref.at[pl.ds(start, chunk), hk, :], mask=mask, other=0)
             k = plt.load(k_ref.at[pl.ds(start, chunk), hk, :], mask=mask, other=0)
             G = G_ref[...]  # [C]
             scores = dots.bulk(q, k, _NT) * _decay(G, G, rows[:, None] >= rows[None, :], channel=False)
             o = dots.bulk(q.astype(_F32) * jnp.exp(G)[:, None], state) + dots.bulk(scores, v_new)
             plt.store(o_ref.at[pl.ds(start, chunk), h, cols], (scale * o).astype(o_ref.dtype),
-                      mask=_row_mask(rows, length, (chunk, block_v)))
+                      mask=row_mask(rows, length, (chunk, block_v)))
             return
         all_rows = jnp.arange(chunk, dtype=jnp.int32)
         sub_rows = jnp.arange(SUB, dtype=jnp.int32)
@@ -373,7 +350,7 @@ def _output_kernel(start_ref, len_ref, q_ref, k_ref, G_ref, h_ref, vnew_ref, o_r
                 scores = scores + dots.exact(a, b, _NT)
             o_I = dots.bulk(q_I * jnp.exp(G_I), state) + dots.bulk(scores, v_new)
             plt.store(o_ref.at[pl.ds(start + I * SUB, SUB), h, cols], (scale * o_I).astype(o_ref.dtype),
-                      mask=_row_mask(rows, length, (SUB, block_v)))
+                      mask=row_mask(rows, length, (SUB, block_v)))
 
 
 def _doubling_inverse(A):
@@ -434,7 +411,7 @@ def _intra_kernel_v2(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w
     k_blk, q_blk, kf_blk, qf_blk, kb_blk, vb_blk, b_blk, G_blk = [], [], [], [], [], [], [], []
     for J in range(nb):
         rows = J * SUB + sub_rows
-        mask = _row_mask(rows, length, (SUB, head_k))
+        mask = row_mask(rows, length, (SUB, head_k))
         k_J = plt.load(k_ref.at[pl.ds(start + J * SUB, SUB), hk, :], mask=mask, other=0)  # [SUB, K] input dtype
         q_J = plt.load(q_ref.at[pl.ds(start + J * SUB, SUB), hk, :], mask=mask, other=0)
         v_J = _load_tokens(v_ref.at[pl.ds(start + J * SUB, SUB), h, :], rows, length, (SUB, head_v))
@@ -765,7 +742,7 @@ def _state_kernel_v2(*refs, chunk, group, channel, block_v, has_initial, has_che
         if fused:
             o = dots.bulk(qg_ref[h, c], S) + dots.bulk(aqk_ref[h, c], v_new)
             plt.store(o_ref.at[pl.ds(start, chunk), h, cols], o.astype(o_ref.dtype),
-                      mask=_row_mask(rows, length, (chunk, block_v)))
+                      mask=row_mask(rows, length, (chunk, block_v)))
         else:
             h_ref[h, c, :, cols] = S.astype(h_ref.dtype)
             vnew_ref[h, c, :, cols] = v_new.astype(vnew_ref.dtype)
@@ -823,7 +800,7 @@ def _output_kernel_v2(start_ref, len_ref, qg_ref, aqk_ref, h_ref, vnew_ref, o_re
     def _():
         o = dots.bulk(qg_ref[...], h_ref[...]) + dots.bulk(aqk_ref[...], vnew_ref[...])
         plt.store(o_ref.at[pl.ds(start, chunk), h, pl.ds(j * block_v, block_v)], o.astype(o_ref.dtype),
-                  mask=_row_mask(rows, length, (chunk, block_v)))
+                  mask=row_mask(rows, length, (chunk, block_v)))
 
 
 def _checkpoint_segments(lay, checkpoint_cu):
@@ -887,7 +864,7 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
         scale = head_k ** -0.5
     io_dtype = jnp.promote_types(k.dtype, v.dtype)
     io_dtype = _F32 if jnp.dtype(io_dtype).itemsize >= 4 else jnp.dtype(io_dtype)
-    dots = _Dots(io_dtype)
+    dots = Dots(io_dtype)
     block_v = block_v or min(head_v, 64)
     output_block_v = output_block_v or (head_v if channel and version == 1 else min(head_v, 64))
 

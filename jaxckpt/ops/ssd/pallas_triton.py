@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxckpt.ops.common.pallas_triton_tiles import Dots, row_mask
 from jaxckpt.ops.common.xla_arrays import check_float, check_ssd_inputs, packed_metadata
 from jaxckpt.plan.checks import check_dt_limit, check_ssd_state
 from jaxckpt.plan.conventions import check_state_layout
@@ -43,7 +44,6 @@ CHUNK_SIZES = (16, 32, 64)
 MIN_DIM = 16
 MAX_DIM = 256
 TUNING_KEYS = ("num_warps", "num_stages")
-_HIGHEST = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
 _NT = ((1,), (1,))  # a @ b^T
 _TN = ((0,), (0,))  # a^T @ b
@@ -76,33 +76,9 @@ def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, **tuning) -
     return None
 
 
-class _Dots:
-    """`state` for the products that build states (fp32 operands), `bulk` for the output products."""
-
-    def __init__(self, io_dtype):
-        self.fp32 = io_dtype == _F32
-        self.io_dtype = io_dtype
-
-    def _dot(self, a, b, dims, dtype, precision):
-        return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (dims, ((), ())), precision=precision,
-                                   preferred_element_type=_F32)
-
-    def state(self, a, b, dims):
-        return self._dot(a, b, dims, _F32, _HIGHEST if self.fp32 else None)
-
-    def bulk(self, a, b, dims):
-        if self.fp32:
-            return self._dot(a, b, dims, _F32, _HIGHEST)
-        return self._dot(a, b, dims, self.io_dtype, None)
-
-
-def _row_mask(rows, length, shape):
-    return jnp.broadcast_to(rows.reshape(rows.shape + (1,) * (len(shape) - 1)) < length, shape)
-
-
 def _load_tokens(ref_at, rows, length, shape):
     """Masked load of token rows [start, start + rows.size) of a packed array; rows past `length` read 0."""
-    return plt.load(ref_at, mask=_row_mask(rows, length, shape), other=0)
+    return plt.load(ref_at, mask=row_mask(rows, length, shape), other=0)
 
 
 def _pick(x, rows, r):
@@ -120,7 +96,7 @@ def _local_state_kernel(start_ref, len_ref, x_ref, B_ref, acs_ref, delta_ref, ou
     acs, delta = acs_ref[...], delta_ref[...]  # [C], [C]
     # padding slots add 0 to the cumsum, so Acs_last is the last real token's; the weights are <= 1 for A <= 0
     weights = jnp.exp(_pick(acs, rows, chunk - 1) - acs) * delta
-    out_ref[...] = dots.state(weights[:, None] * x, Bc.astype(_F32), _TN)
+    out_ref[...] = dots.exact(weights[:, None] * x, Bc.astype(_F32), _TN)
 
 
 def _state_kernel(*refs, chunk, has_initial):
@@ -152,7 +128,7 @@ def _checkpoint_kernel(ck_chunk_ref, ck_pos_ref, start_ref, len_ref, x_ref, B_re
     acs, delta = acs_ref[h, c], delta_ref[h, c]  # [C], [C]
     ref = _pick(acs, rows, r - 1)  # r = 0: ref = 0 and every weight masked, so the state is H_c itself
     weights = jnp.exp(jnp.where(rows < r, ref - acs, -jnp.inf)) * delta
-    out_ref[...] = jnp.exp(ref) * states_ref[h, c] + dots.state(weights[:, None] * x, Bc.astype(_F32), _TN)
+    out_ref[...] = jnp.exp(ref) * states_ref[h, c] + dots.exact(weights[:, None] * x, Bc.astype(_F32), _TN)
 
 
 def _output_kernel(*refs, chunk, reps, has_D, has_z, dots):
@@ -182,7 +158,7 @@ def _output_kernel(*refs, chunk, reps, has_D, has_z, dots):
             z = _load_tokens(z_ref.at[pl.ds(start, chunk), h, :], rows, length, (chunk, head_dim)).astype(_F32)
             y = y * z * jax.nn.sigmoid(z)
         plt.store(y_ref.at[pl.ds(start, chunk), h, :], y.astype(y_ref.dtype),
-                  mask=_row_mask(rows, length, (chunk, head_dim)))
+                  mask=row_mask(rows, length, (chunk, head_dim)))
 
 
 def _softplus(v):
@@ -227,7 +203,7 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     out_dtype = x.dtype
     io_dtype = jnp.promote_types(jnp.promote_types(x.dtype, B.dtype), C.dtype)
     io_dtype = _F32 if jnp.dtype(io_dtype).itemsize >= 4 else jnp.dtype(io_dtype)
-    dots = _Dots(io_dtype)
+    dots = Dots(io_dtype)
     chunk = chunk_size
 
     raw = dt.astype(_F32) if dt_bias is None else dt.astype(_F32) + dt_bias.astype(_F32)
