@@ -85,6 +85,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxckpt.ops.common.pallas_triton_tiles import Dots, row_mask
+from jaxckpt.ops.common.xla_arrays import packed_metadata
 from jaxckpt.plan.layout import chunk_layout
 
 CHUNK_SIZES = (16, 32, 64)
@@ -254,16 +255,7 @@ def _intra_kernel(start_ref, len_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_re
                 scores = dots.bulk(k_blk[I], k_blk[J], _NT) * _decay(G_blk[I], G_blk[J], mask, channel=False)
             A[I, J] = b_blk[I][:, None] * scores
 
-    T = {}
-    for I in range(nb):
-        T[I, I] = _forward_substitution(A[I, I])
-        for J in range(I):
-            acc = sum(dots.exact(A[I, m], T[m, J]) for m in range(J, I))
-            T[I, J] = -dots.exact(T[I, I], acc)
-        w_I = sum(dots.exact(T[I, J], kb_blk[J]) for J in range(I + 1))
-        u_I = sum(dots.exact(T[I, J], vb_blk[J]) for J in range(I + 1))
-        w_ref[pl.ds(I * SUB, SUB), :] = w_I.astype(w_ref.dtype)
-        u_ref[pl.ds(I * SUB, SUB), :] = u_I.astype(u_ref.dtype)
+    _write_wy(A, kb_blk, vb_blk, w_ref, u_ref, nb=nb, dots=dots, diag_inverse=_forward_substitution)
 
 
 def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkpoints, dots):
@@ -367,6 +359,20 @@ def _doubling_inverse(A):
     return T
 
 
+def _write_wy(A, kb_blk, vb_blk, w_ref, u_ref, *, nb, dots, diag_inverse):
+    """T = (I + A)^-1 block by block (diagonal blocks by `diag_inverse`), then w = T (beta K), u = T (beta V)."""
+    T = {}
+    for I in range(nb):
+        T[I, I] = diag_inverse(A[I, I])
+        for J in range(I):
+            acc = sum(dots.exact(A[I, m], T[m, J]) for m in range(J, I))
+            T[I, J] = -dots.exact(T[I, I], acc)
+        w_I = sum(dots.exact(T[I, J], kb_blk[J]) for J in range(I + 1))
+        u_I = sum(dots.exact(T[I, J], vb_blk[J]) for J in range(I + 1))
+        w_ref[pl.ds(I * SUB, SUB), :] = w_I.astype(w_ref.dtype)
+        u_ref[pl.ds(I * SUB, SUB), :] = u_I.astype(u_ref.dtype)
+
+
 def _ieee(a, b):
     return jax.lax.dot(a, b, precision=_HIGHEST, preferred_element_type=_F32)
 
@@ -461,16 +467,7 @@ def _intra_kernel_v2(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w
         for J in range(I + 1, nb):
             aqk_ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
 
-    T = {}
-    for I in range(nb):
-        T[I, I] = _doubling_inverse(A[I, I])
-        for J in range(I):
-            acc = sum(dots.exact(A[I, m], T[m, J]) for m in range(J, I))
-            T[I, J] = -dots.exact(T[I, I], acc)
-        w_I = sum(dots.exact(T[I, J], kb_blk[J]) for J in range(I + 1))
-        u_I = sum(dots.exact(T[I, J], vb_blk[J]) for J in range(I + 1))
-        w_ref[pl.ds(I * SUB, SUB), :] = w_I.astype(w_ref.dtype)
-        u_ref[pl.ds(I * SUB, SUB), :] = u_I.astype(u_ref.dtype)
+    _write_wy(A, kb_blk, vb_blk, w_ref, u_ref, nb=nb, dots=dots, diag_inverse=_doubling_inverse)
 
 
 def _gather_rows(G_ref, base, idx):
@@ -868,14 +865,9 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     block_v = block_v or min(head_v, 64)
     output_block_v = output_block_v or (head_v if channel and version == 1 else min(head_v, 64))
 
-    if cu_seqlens is None:
-        cu_seqlens = jnp.array([0, num_tokens], jnp.int32)
-    cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+    cu_seqlens, checkpoint_cu, checkpoint_offsets = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets,
+                                                                    num_tokens)
     num_rows = cu_seqlens.shape[0] - 1
-    if checkpoint_cu is None:
-        checkpoint_cu = jnp.zeros(num_rows + 1, jnp.int32)
-        checkpoint_offsets = jnp.zeros(0, jnp.int32)
-    checkpoint_cu = jnp.asarray(checkpoint_cu, jnp.int32)
     num_ckpt = checkpoint_offsets.shape[0]
 
     if use_qk_l2norm:

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
+from jaxckpt.ops.common.xla_arrays import packed_metadata
 from jaxckpt.plan.layout import chunk_layout
 
 PIECE_CUTS = ("checkpoints", "snap", "grid")
@@ -269,13 +270,9 @@ def sequence_parallel_delta(base_fn: Callable, q, k, v, g, beta, *, scale=None, 
     num_tokens, _, head_k = q.shape
     num_v_heads, head_v = v.shape[1:]
     dot, state_dot = matmul_policy(q.dtype, k.dtype, v.dtype)
-    if cu_seqlens is None:
-        cu_seqlens = jnp.array([0, num_tokens], jnp.int32)
-    cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+    cu_seqlens, checkpoint_cu, checkpoint_offsets = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets,
+                                                                    num_tokens)
     num_rows = cu_seqlens.shape[0] - 1
-    if checkpoint_cu is None:
-        checkpoint_cu = jnp.zeros(num_rows + 1, jnp.int32)
-        checkpoint_offsets = jnp.zeros(0, jnp.int32)
     plan = plan_pieces(cu_seqlens, checkpoint_cu, checkpoint_offsets, num_tokens=num_tokens, piece_len=piece_len,
                        chunk_size=chunk_size, piece_cuts=piece_cuts)
     num_p = plan.row.shape[0]
