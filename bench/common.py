@@ -21,6 +21,19 @@ import numpy as np
 SCHEMA = 1
 
 
+def implementation_spec(spec: str) -> tuple[str, dict | None]:
+    """"pallas_triton@kda_intra=split,block_v=32" -> ("pallas_triton", {"kda_intra": "split", "block_v": 32}): one
+    implementation with `kernel_options`, so tuning variants are timed in the same run as the peers."""
+    impl, _, rest = spec.partition("@")
+    if not rest:
+        return impl, None
+    options = {}
+    for item in rest.split(","):
+        key, value = item.split("=")
+        options[key] = int(value) if value.lstrip("-").isdigit() else value
+    return impl, options
+
+
 def versions() -> dict:
     found = {"python": platform.python_version()}
     for name in ("jax", "jaxlib", "flax", "torch", "triton", "fla", "jla", "numpy"):

@@ -17,7 +17,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from bench.common import Recorder, jax_time, torch_time  # noqa: E402
+from bench.common import Recorder, implementation_spec, jax_time, torch_time  # noqa: E402
 
 DELTA_SHAPES = [(1, 8192, 16), (1, 32768, 16), (8, 4096, 32)]
 VARLEN_MIX = [1024, 2048, 7168, 3072, 512, 9216, 4096, 5632]      # 8 rows, 32768 tokens, H = 16
@@ -70,18 +70,19 @@ def bench_ours_delta(rec, kind, impl, lengths, H, D, shape_label, modes):
     q, k, v, g, beta, h0, cu = delta_inputs(lengths, H, D, kind)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
     args = (bf(q), bf(k), bf(v), jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu))
+    impl, kernel_options = implementation_spec(spec := impl)
     for mode in modes:
         ccu, offsets = checkpoint_lists(lengths, mode)
         f = jax.jit(lambda q, k, v, g, beta, h0, cu, ccu, off: fn(
             q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
-            implementation=impl))
+            implementation=impl, kernel_options=kernel_options))
         try:
             t = jax_time(f, *args, jnp.asarray(ccu), jnp.asarray(offsets))
-            rec.add(op=kind, implementation=impl, shape=shape_label, rows=list(lengths), checkpoints=mode,
+            rec.add(op=kind, implementation=spec, shape=shape_label, rows=list(lengths), checkpoints=mode,
                     num_checkpoints=int(offsets.size), dtype="bf16", **t)
         except Exception as error:  # noqa: BLE001 - record the failure and go on
             traceback.print_exc()
-            rec.add(op=kind, implementation=impl, shape=shape_label, checkpoints=mode, median_ms=None,
+            rec.add(op=kind, implementation=spec, shape=shape_label, checkpoints=mode, median_ms=None,
                     note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
 
 
@@ -250,7 +251,8 @@ def bench_peers_ssd(rec, peers, T, H, N=128, P=64):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ops", nargs="+", default=["gdn", "kda", "ssd"])
-    parser.add_argument("--impls", nargs="+", default=["xla"])
+    parser.add_argument("--impls", nargs="+", default=["xla"],
+                        help="implementations, optionally with kernel options: pallas_triton@kda_intra=split")
     parser.add_argument("--peers", nargs="*", default=[], help="fla jla jla_chunked scan")
     parser.add_argument("--modes", nargs="+", default=["none", "per_row", "every_1024"])
     parser.add_argument("--impl-modes", nargs="*", default=[],
@@ -262,7 +264,7 @@ def main(argv=None):
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     rec = Recorder(args.name, out_dir)
     impl_modes = {impl: args.modes for impl in args.impls}
-    impl_modes.update({k: v.split(",") for k, v in (item.split("=") for item in args.impl_modes)})
+    impl_modes.update({k: v.split(",") for k, v in (item.rsplit("=", 1) for item in args.impl_modes)})
     D = 16 if args.tiny else 128
     shapes = [(B, T, H) for (B, T, H) in (TINY_DELTA if args.tiny else DELTA_SHAPES)]
     cases = [([T] * B, H, {"B": B, "T": T, "H": H, "K": D, "V": D}, True) for B, T, H in shapes]

@@ -25,7 +25,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from bench.common import device, versions  # noqa: E402
+from bench.common import device, implementation_spec, versions  # noqa: E402
 from bench.ops_bench import checkpoint_lists, delta_inputs  # noqa: E402
 
 DELTA_CASES = [[8192], [32768]]
@@ -72,12 +72,13 @@ def delta_case(kind, lengths, mode, impl):
     from jaxckpt import ops
 
     fn = ops.gated_delta_rule if kind == "gdn" else ops.kda
+    impl, kernel_options = implementation_spec(impl)
     q, k, v, g, beta, h0, cu = delta_inputs(lengths, 16, 128, kind)
     ccu, offsets = checkpoint_lists(lengths, mode)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
     f = jax.jit(lambda q, k, v, g, beta, h0, cu, ccu, off: fn(
         q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
-        implementation=impl))
+        implementation=impl, kernel_options=kernel_options))
     args = (bf(q), bf(k), bf(v), jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu),
             jnp.asarray(ccu), jnp.asarray(offsets))
     return f, args
@@ -89,6 +90,7 @@ def ssd_case(T, H, mode, impl):
 
     from jaxckpt import ops
 
+    impl, kernel_options = implementation_spec(impl)
     rng = np.random.default_rng(0)
     P, N = 64, 128
     x = jnp.asarray(rng.standard_normal((T, H, P)), jnp.bfloat16)
@@ -100,7 +102,7 @@ def ssd_case(T, H, mode, impl):
     ccu, offsets = checkpoint_lists([T], mode)
     f = jax.jit(lambda x, dt, A, B, C, h0, cu, ccu, off: ops.ssd(
         x, dt, A, B, C, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
-        implementation=impl))
+        implementation=impl, kernel_options=kernel_options))
     return f, (x, dt, A, B, C, h0, jnp.asarray([0, T], jnp.int32), jnp.asarray(ccu), jnp.asarray(offsets))
 
 
