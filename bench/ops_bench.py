@@ -260,6 +260,8 @@ def main(argv=None):
     parser.add_argument("--name", default="ops")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny shapes")
     parser.add_argument("--no-varlen", action="store_true")
+    parser.add_argument("--shapes", nargs="*", default=None,
+                        help="only these delta shapes: B,T,H triples and/or 'varlen' (default: all)")
     args = parser.parse_args(argv)
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     rec = Recorder(args.name, out_dir)
@@ -270,6 +272,9 @@ def main(argv=None):
     cases = [([T] * B, H, {"B": B, "T": T, "H": H, "K": D, "V": D}, True) for B, T, H in shapes]
     if not args.no_varlen and not args.tiny:
         cases.append((VARLEN_MIX, 16, {"varlen": "8 rows, 32768 tokens", "H": 16, "K": D, "V": D}, False))
+    if args.shapes is not None:
+        keep = {s if s == "varlen" else tuple(int(x) for x in s.split(",")) for s in args.shapes}
+        cases = [c for c in cases if ("varlen" if "varlen" in c[2] else (c[2]["B"], c[2]["T"], c[2]["H"])) in keep]
     for kind in [op for op in args.ops if op in ("gdn", "kda")]:
         for lengths, H, label, batched in cases:
             print(f"== {kind} {label}", flush=True)

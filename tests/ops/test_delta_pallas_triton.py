@@ -1,6 +1,6 @@
 """The Pallas Triton GDN and KDA kernels, run in interpret mode on CPU, against the float64 token-by-token references;
 checkpoints leave outputs and final states bitwise unchanged; unsupported calls name their reason. KDA's intra-pass
-variants (`kda_intra`, `kda_diag`, `kda_block_k`) under strong per-channel decays, and the "split" one (the candidate default) on a few of
+variants (`kda_intra`, `kda_diag`, `kda_block_k`) under strong per-channel decays, and the "split" one (the default) on a few of
 the shared vectors.
 
 Interpret mode evaluates every dot in fp32 (TF32 does not apply), so fp32 inputs land at rel-RMS ~1e-7 against the
@@ -175,7 +175,7 @@ def test_diagonal_block_helpers_are_exact_under_strong_decays():
     np.testing.assert_allclose(np.asarray(inverse), np.linalg.inv(np.eye(sub) + A), rtol=1e-5, atol=1e-5)
 
 
-# KDA's intra-pass variants (`kda_intra` "resident" (default) / "split" / "streamed", `kda_diag`, `kda_block_k`):
+# KDA's intra-pass variants (`kda_intra` "split" (default) / "resident" / "streamed", `kda_diag`, `kda_block_k`):
 # rows of 0, 1, 36, 0 and 83 tokens plus padding, checkpoints at sub-chunk boundaries (16, 32, 48, 80), at the chunk
 # boundary 64, inside sub-chunks and at len - 1, then two padded CSR entries
 KDA_CHECKPOINT_CU = np.array([0, 0, 0, 3, 3, 9], np.int32)
