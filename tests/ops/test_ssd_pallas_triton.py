@@ -53,13 +53,15 @@ def make_options(rng, layout):
                 dt_limit=(0.01, 4.0), initial_state=state, cu_seqlens=CU_SEQLENS, state_layout=layout)
 
 
-@pytest.mark.parametrize("num_groups, layout, seed", [(1, "vk", 1), (2, "kv", 2)])
-def test_matches_reference_varlen_with_checkpoints(num_groups, layout, seed):
+# state_block_p 4: the state pass splits P over four programs per row and head
+@pytest.mark.parametrize("num_groups, layout, seed, state_block_p", [(1, "vk", 1, 16), (2, "kv", 2, 4)])
+def test_matches_reference_varlen_with_checkpoints(num_groups, layout, seed, state_block_p):
     rng = np.random.default_rng(seed)
     inputs = make_inputs(rng, num_groups)
     options = make_options(rng, layout)
+    tuning = dict(state_block_p=state_block_p)
     ckpt = dict(checkpoint_cu=CHECKPOINT_CU, checkpoint_offsets=CHECKPOINT_OFFSETS)
-    y, final, states = pallas_triton.ssd(**inputs, **options, **ckpt, chunk_size=CHUNK, interpret=True)
+    y, final, states = pallas_triton.ssd(**inputs, **options, **ckpt, chunk_size=CHUNK, interpret=True, **tuning)
     y_ref, final_ref, states_ref = reference.ssd(**inputs, **options, **ckpt)
     assert y.dtype == jnp.float32 and final.dtype == states.dtype == jnp.float32
     assert final.shape == final_ref.shape and states.shape == states_ref.shape
@@ -71,7 +73,8 @@ def test_matches_reference_varlen_with_checkpoints(num_groups, layout, seed):
     # the empty rows return their initial states
     np.testing.assert_array_equal(np.asarray(final)[[0, 3]], options["initial_state"][[0, 3]])
 
-    plain_y, plain_final, plain_states = pallas_triton.ssd(**inputs, **options, chunk_size=CHUNK, interpret=True)
+    plain_y, plain_final, plain_states = pallas_triton.ssd(**inputs, **options, chunk_size=CHUNK, interpret=True,
+                                                           **tuning)
     np.testing.assert_array_equal(np.asarray(plain_y), np.asarray(y))
     np.testing.assert_array_equal(np.asarray(plain_final), np.asarray(final))
     assert plain_states.shape == (0,) + final.shape[1:]
@@ -86,6 +89,8 @@ def test_supports_names_the_reason():
     assert pallas_triton.supports(x, dt, jnp.zeros((8, 1, 512)), B, interpret=True).startswith("N:")
     assert pallas_triton.supports(x, dt, B, B, chunk_size=128, interpret=True).startswith("chunk_size:")
     assert pallas_triton.supports(x, dt, B, B, interpret=True, block_q=32).startswith("tuning:")
+    assert pallas_triton.supports(x, dt, B, B, interpret=True, state_block_p=6).startswith("state_block_p:")
+    assert pallas_triton.supports(x, dt, B, B, chunk_size=16, interpret=True, state_block_p=64) is None
     reason = pallas_triton.supports(x, dt, B, B)
     assert reason is None or reason.startswith("backend:")
 

@@ -6,9 +6,12 @@ chunk-local inclusive cumsum Acs of a = delta A are cheap elementwise work and s
 
 1. `_local_state_kernel`, grid (chunk, head): S_loc = sum_j exp(Acs_last - Acs_j) delta_j x_j B_j^T as one
    [P, C] x [C, N] dot, written [H, NC, P, N] fp32.
-2. `_state_kernel`, grid (row, head): H [P, N] fp32 carried through the row's chunks (count read from the chunk
-   table), H <- exp(Acs_last) H + S_loc, writing every chunk-entry state H_c and the row's final state. The loop body
-   is straight-line (no checkpoint branches), so outputs and final states cannot depend on the checkpoints.
+2. `_state_kernel`, grid (row, head, P block): H [P, N] fp32 carried through the row's chunks (count read from the
+   chunk table), H <- exp(Acs_last) H + S_loc, writing every chunk-entry state H_c and the row's final state. The
+   update is elementwise, so P splits into `state_block_p`-row blocks at no extra work: with one row the pass
+   otherwise runs only H programs, each bound by the latency of one chunk's load per step (H200, T 32768, H 32:
+   0.98 ms, half the op, with whole-P programs). The loop body is straight-line (no checkpoint branches), so
+   outputs and final states cannot depend on the checkpoints.
 3. `_checkpoint_kernel`, grid (checkpoint, head), only when M > 0: the state after the first r tokens of chunk c,
    exp(Acs_{r-1}) H_c + sum_{i<r} exp(Acs_{r-1} - Acs_i) delta_i x_i B_i^T (r = 0 gives H_c exactly), read from
    the chunk-entry states of step 2: work only at the chunks that hold checkpoints.
@@ -43,7 +46,7 @@ from jaxckpt.plan.layout import chunk_layout
 CHUNK_SIZES = (16, 32, 64)
 MIN_DIM = 16
 MAX_DIM = 256
-TUNING_KEYS = ("num_warps", "num_stages")
+TUNING_KEYS = ("num_warps", "num_stages", "state_block_p")
 _F32 = jnp.float32
 _NT = ((1,), (1,))  # a @ b^T
 _TN = ((0,), (0,))  # a^T @ b
@@ -61,6 +64,9 @@ def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, **tuning) -
     unknown = sorted(set(tuning) - set(TUNING_KEYS))
     if unknown:
         return f"tuning: unknown options {unknown}, expected some of {TUNING_KEYS}"
+    block_p = tuning.get("state_block_p")
+    if block_p is not None and (not _is_pow2(block_p) or x.ndim == 3 and x.shape[-1] % min(block_p, x.shape[-1])):
+        return f"state_block_p: must be a power of two dividing P, got {block_p!r}"
     if chunk_size not in CHUNK_SIZES:
         return f"chunk_size: must be one of {CHUNK_SIZES}, got {chunk_size!r}"
     if x.ndim != 3 or B.ndim != 3:
@@ -99,21 +105,22 @@ def _local_state_kernel(start_ref, len_ref, x_ref, B_ref, acs_ref, delta_ref, ou
     out_ref[...] = dots.exact(weights[:, None] * x, Bc.astype(_F32), _TN)
 
 
-def _state_kernel(*refs, chunk, has_initial):
+def _state_kernel(*refs, chunk, block_p, has_initial):
     first_ref, count_ref, acs_ref, local_ref, *rest = refs
     init_ref = rest.pop(0) if has_initial else None
     states_ref, final_ref = rest
-    n, h = pl.program_id(0), pl.program_id(1)
-    head_dim, state_dim = local_ref.shape[-2:]
-    S0 = init_ref[n, h].astype(_F32) if has_initial else jnp.zeros((head_dim, state_dim), _F32)
+    n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = pl.ds(j * block_p, block_p)
+    state_dim = local_ref.shape[-1]
+    S0 = init_ref[n, h, rows, :].astype(_F32) if has_initial else jnp.zeros((block_p, state_dim), _F32)
     first = first_ref[n]
 
     def chunk_step(i, S):
         c = first + i
-        states_ref[h, c] = S
-        return jnp.exp(acs_ref[h, c, chunk - 1]) * S + local_ref[h, c]
+        states_ref[h, c, rows, :] = S
+        return jnp.exp(acs_ref[h, c, chunk - 1]) * S + local_ref[h, c, rows, :]
 
-    final_ref[n, h] = jax.lax.fori_loop(0, count_ref[n], chunk_step, S0)
+    final_ref[n, h, rows, :] = jax.lax.fori_loop(0, count_ref[n], chunk_step, S0)
 
 
 def _checkpoint_kernel(ck_chunk_ref, ck_pos_ref, start_ref, len_ref, x_ref, B_ref, acs_ref, delta_ref, states_ref,
@@ -167,7 +174,7 @@ def _softplus(v):
 
 def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_state=None, cu_seqlens=None,
         checkpoint_cu=None, checkpoint_offsets=None, state_layout="vk", chunk_size=64, interpret=False,
-        num_warps=4, num_stages=2):
+        num_warps=4, num_stages=2, state_block_p=16):
     """Chunked SSD scan of packed rows with final and checkpoint states, as Pallas Triton launches.
 
     x                   # [T, H, P]
@@ -180,7 +187,8 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     cu_seqlens          # i32[N_rows + 1]; None = one row over all T tokens
     checkpoint_cu       # i32[N_rows + 1] with checkpoint_offsets i32[M]; both None = no checkpoints
     Shapes and options are checked here, metadata values are trusted (callers run `jaxckpt.plan.conventions`).
-    Tuning: num_warps, num_stages (every launch). Call `supports` first for tile sizes, dtypes and the backend.
+    Tuning: num_warps, num_stages (every launch), state_block_p (P rows per program of the state pass, capped at P).
+    Call `supports` first for tile sizes, dtypes and the backend.
 
     Returns (y [T, H, P] in x.dtype, final_state fp32 [N_rows, H, P, N], checkpoint_states fp32 [M, H, P, N])
     (states [.., H, N, P] for "kv"). Padding tokens and padded checkpoint entries are zeros.
@@ -239,9 +247,10 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
 
     state_inputs = [lay.row_first_chunk, lay.row_num_chunks, acs, local] + ([init] if init is not None else [])
     states, final_state = call(
-        functools.partial(_state_kernel, chunk=chunk, has_initial=init is not None),
+        functools.partial(_state_kernel, chunk=chunk, block_p=min(state_block_p, head_dim),
+                          has_initial=init is not None),
         out_shape=(chunk_states, jax.ShapeDtypeStruct((num_rows, num_heads, head_dim, state_dim), _F32)),
-        grid=(num_rows, num_heads), in_specs=[full] * len(state_inputs), out_specs=(full, full), name="ssd_state",
+        grid=(num_rows, num_heads, head_dim // min(state_block_p, head_dim)), in_specs=[full] * len(state_inputs), out_specs=(full, full), name="ssd_state",
     )(*state_inputs)
 
     if num_ckpt > 0:
