@@ -200,19 +200,20 @@ def bench_ours_ssd(rec, impl, T, H, modes, N=128, P=64):
     x, dt, A, B, C, h0 = ssd_inputs(T, H, N, P)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     cu = jnp.asarray([0, T], jnp.int32)
+    impl, kernel_options = implementation_spec(spec := impl)
     for mode in modes:
         ccu, offsets = checkpoint_lists([T], mode)
         f = jax.jit(lambda x, dt, A, B, C, h0, cu, ccu, off: ops.ssd(
             x, dt, A, B, C, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
-            implementation=impl))
+            implementation=impl, kernel_options=kernel_options))
         try:
             t = jax_time(f, bf(x), bf(dt), jnp.asarray(A), bf(B), bf(C), jnp.asarray(h0), cu, jnp.asarray(ccu),
                          jnp.asarray(offsets))
-            rec.add(op="ssd", implementation=impl, shape={"T": T, "H": H, "P": P, "N": N, "G": 1}, checkpoints=mode,
+            rec.add(op="ssd", implementation=spec, shape={"T": T, "H": H, "P": P, "N": N, "G": 1}, checkpoints=mode,
                     num_checkpoints=int(offsets.size), dtype="bf16", **t)
         except Exception as error:  # noqa: BLE001
             traceback.print_exc()
-            rec.add(op="ssd", implementation=impl, shape={"T": T, "H": H}, checkpoints=mode, median_ms=None,
+            rec.add(op="ssd", implementation=spec, shape={"T": T, "H": H}, checkpoints=mode, median_ms=None,
                     note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
 
 
