@@ -38,18 +38,20 @@ same factorisation on every level of a 16 -> 8 -> 4 -> 2 split) or, with `kda_di
 form one key row at a time; the derivation is in `jaxckpt/ops/kda/README.md`. The variants differ in what a program
 holds, which decides their speed: a [16, K] x [K, 16] dot keeps both operands whole in every warp (64 + 64 fp32
 registers per thread at K = 128).
-- "resident" (default until the GPU timing below is run; `_intra_kernel_v2`, the first version 2): one program per chunk and head holding every sub-chunk's
+- "resident" (`_intra_kernel_v2`, the first version 2): one program per chunk and head holding every sub-chunk's
   q, k, G, beta exp(G) K and beta V, K = 128 wide. ptxas for sm_90 (offline: this module's lowering compiled by
   pip Triton 3.8, `bench/pallas_delta_variants.py --ptxas`; bf16, K = V = 128): 168 registers plus 14.5 KB of spill
   stores and 17 KB of spill loads per thread, the likely cause of the measured 5.4 ms (T 8192, H 16; GDN's intra
-  pass, 648 B of spills: 0.31 ms).
+  pass, 648 B of spills: 0.31 ms); measured 6.63 ms at (1, 8192, 16) and 24.9 ms at (1, 32768, 16).
 - "streamed" (`_kda_intra_kernel_streamed`): one launch as well, but row block by row block, the K axis in column
   blocks of `kda_block_k` (default 32), and every [16, K]-sized operand loaded again where it is used (L1/L2 hits)
-  instead of held: 255 registers, 0.2 / 0.4 KB of spills.
-- "split" (the candidate default, not yet timed on a GPU; `_kda_scores_kernel` then `_kda_solve_kernel`): launch A, grid (chunk, head, sub-chunk I), writes
+  instead of held: 255 registers, 0.2 / 0.4 KB of spills; 2.39 / 8.53 ms.
+- "split" (the default; `_kda_scores_kernel` then `_kda_solve_kernel`): launch A, grid (chunk, head, sub-chunk I), writes
   row block I of the beta-scaled key scores (fp32 [HV, NC, C, C]), the query scores, KD and QG: 140 registers, no
   spills, 4x the programs; launch B, grid (chunk, head), reads the key scores and runs the streamed kernel's solve
-  (T, W, U): 200 registers, no spills. Costs one fp32 [C, C] round trip (16 KB) per chunk and head.
+  (T, W, U): 200 registers, no spills. Costs one fp32 [C, C] round trip (16 KB) per chunk and head. Measured
+  fastest: 1.91 / 6.73 ms, 3.5x faster than "resident" (H200, `bench/results/ops_pallas_kda_h200.md`; whole op,
+  host wall time).
 Exps in these kernels are exp2(x log2 e) (one MUFU.EX2; libdevice's expf, what jnp.exp lowers to, is about 8
 instructions).
 
@@ -78,6 +80,7 @@ j <= i; the masked exponents are set to -inf before exp, never exponentiated unm
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +96,8 @@ SUB = 16
 MAX_HEAD_DIM = 256
 L2NORM_EPS = 1e-6
 TUNING_KEYS = ("num_warps", "num_stages", "block_v", "intra_num_warps", "output_block_v", "version",
-               "fuse_output", "kda_intra", "kda_diag", "kda_block_k")
+               "fuse_output", "kda_intra", "kda_diag", "kda_block_k", "checkpoint_pass")
+CHECKPOINT_PASSES = ("after", "in_loop")
 KDA_INTRA = ("split", "streamed", "resident")
 KDA_DIAG = ("doubling", "pairs")
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -128,7 +132,7 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
         return f"tuning: version must be 1 or 2, got {tuning['version']!r}"
     if tuning.get("fuse_output") and tuning.get("version", 2) != 2:
         return "tuning: fuse_output needs version 2"
-    for key, allowed in (("kda_intra", KDA_INTRA), ("kda_diag", KDA_DIAG)):
+    for key, allowed in (("kda_intra", KDA_INTRA), ("kda_diag", KDA_DIAG), ("checkpoint_pass", CHECKPOINT_PASSES)):
         if tuning.get(key, allowed[0]) not in allowed:
             return f"tuning: {key} must be one of {allowed}, got {tuning[key]!r}"
     bk = tuning.get("kda_block_k")
@@ -703,12 +707,17 @@ def _kda_solve_kernel(start_ref, len_ref, k_ref, v_ref, beta_ref, G_ref, akk_ref
         _kda_solve_row_block(ck, I, A, T, w_ref, u_ref, head_k=head_k, head_v=head_v, dots=dots)
 
 
-def _state_kernel_v2(*refs, chunk, group, channel, block_v, has_initial, has_checkpoints, fused, dots):
+def _state_kernel_v2(*refs, chunk, group, channel, block_v, has_initial, has_checkpoints, fused, dots,
+                     checkpoint_pass="in_loop"):
     refs = list(refs)
     take = lambda count: [refs.pop(0) for _ in range(count)]
     cu_ref, first_ref, count_ref = take(3)
-    if has_checkpoints:
+    in_loop = has_checkpoints and checkpoint_pass == "in_loop"
+    after = has_checkpoints and checkpoint_pass == "after"
+    if in_loop:
         seg_lo_ref, seg_hi_ref, seg_chunk_ref, ck_start_ref, ck_count_ref, ck_pos_ref, k_ref = take(7)
+    if after:
+        (entry_slot_ref,) = take(1)
     G_ref, w_ref, u_ref, kd_ref = take(4)
     if fused:
         qg_ref, aqk_ref = take(2)
@@ -743,6 +752,10 @@ def _state_kernel_v2(*refs, chunk, group, channel, block_v, has_initial, has_che
         else:
             h_ref[h, c, :, cols] = S.astype(h_ref.dtype)
             vnew_ref[h, c, :, cols] = v_new.astype(vnew_ref.dtype)
+        if after:
+            # a masked store keeps the body branch-free (pipelined); `_checkpoint_kernel_v2` finishes the export
+            slot = entry_slot_ref[c]
+            plt.store(ckpt_ref.at[jnp.maximum(slot, 0), h, :, cols], S, mask=jnp.broadcast_to(slot >= 0, S.shape))
         decay_last = jnp.exp(G_ref[h, c, chunk - 1, :])[:, None] if channel else jnp.exp(G_ref[h, c, chunk - 1])
         if checkpoints:
             k_c = _load_tokens(k_ref.at[pl.ds(start, chunk), hk, :], rows, length, (chunk, head_k))
@@ -753,7 +766,7 @@ def _state_kernel_v2(*refs, chunk, group, channel, block_v, has_initial, has_che
     def run(lo, hi, S):
         return jax.lax.fori_loop(lo, hi, chunk_step, S)
 
-    if has_checkpoints:
+    if in_loop:
         def segment(s, carry):
             i0, S = carry
             i_ck = seg_chunk_ref[s] - first
@@ -786,6 +799,22 @@ def _checkpoints_in_chunk(base, count, pos_ref, ckpt_ref, S, k_c, G_c, v_new, *,
         return carry
 
     jax.lax.fori_loop(base, base + count, step, 0)
+
+
+def _checkpoint_kernel_v2(ck_chunk_ref, ck_pos_ref, start_ref, len_ref, entry_slot_ref, k_ref, G_ref, w_ref, u_ref,
+                          entry_ref, ckpt_ref, *, chunk, group, channel, block_v, dots):
+    """`checkpoint_pass="after"`, grid (checkpoint, value head, V block): v_new of the checkpoint's chunk again from
+    its fp32 entry state (the same product as the state pass), then `_checkpoints_in_chunk` for this one entry."""
+    m, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(j * block_v, block_v)
+    rows = jnp.arange(chunk, dtype=jnp.int32)
+    c = ck_chunk_ref[m]
+    S = entry_ref[jnp.maximum(entry_slot_ref[c], 0), h, :, cols]
+    v_new = u_ref[h, c, :, cols].astype(_F32) - dots.exact(w_ref[h, c], S)
+    k_c = _load_tokens(k_ref.at[pl.ds(start_ref[c], chunk), h // group, :], rows, len_ref[c],
+                       (chunk, k_ref.shape[-1]))
+    _checkpoints_in_chunk(m, 1, ck_pos_ref, ckpt_ref, S, k_c, G_ref[h, c], v_new, h=h, cols=cols, rows=rows,
+                          channel=channel, dots=dots)
 
 
 def _output_kernel_v2(start_ref, len_ref, qg_ref, aqk_ref, h_ref, vnew_ref, o_ref, *, chunk, block_v, dots):
@@ -826,10 +855,117 @@ def _checkpoint_ranges(lay, num_chunks):
     return lo, hi - lo
 
 
+class Prepared(NamedTuple):
+    """What every state pass of `delta_rule` (and `pallas_mosaic_gpu_delta`) starts from."""
+
+    q: object            # [T', H, K] io dtype, L2-normalized if asked; T' = max(T, 1) (a zero row for T = 0)
+    k: object            # [T', H, K] io dtype
+    v: object            # [T', HV, V]
+    beta: object         # [T', HV]
+    G: object            # fp32 [HV, NC, C] (GDN) or [HV, NC, C, K] (KDA): chunk-local cumulative log decay
+    lay: object          # `chunk_layout` of the rows and checkpoints (traced)
+    cu_seqlens: object   # i32[N + 1]
+    checkpoint_cu: object  # i32[N + 1]
+    scale: float
+    io_dtype: object     # dtype of the stored intermediates: fp32 or the 16-bit input dtype
+
+
+def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seqlens, checkpoint_cu,
+            checkpoint_offsets, chunk_size, interpret, intra_num_warps=4, num_stages=2) -> Prepared:
+    """Metadata, input casts and the gate cumsum launch (`_cumsum_kernel`), shared by both versions' later passes."""
+    num_tokens, _, head_k = q.shape
+    num_v_heads = v.shape[1]
+    chunk = chunk_size
+    channel = per_channel_decay
+    if scale is None:
+        scale = head_k ** -0.5
+    io_dtype = jnp.promote_types(k.dtype, v.dtype)
+    io_dtype = _F32 if jnp.dtype(io_dtype).itemsize >= 4 else jnp.dtype(io_dtype)
+    cu_seqlens, checkpoint_cu, checkpoint_offsets = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets,
+                                                                    num_tokens)
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q, k = q.astype(io_dtype), k.astype(io_dtype)
+    g = g.astype(_F32)
+    if num_tokens == 0:
+        # loads need a source row; a padding token past cu_seqlens[-1] = 0 is never read unmasked
+        q, k, v, g, beta = (jnp.zeros((1, *x.shape[1:]), x.dtype) for x in (q, k, v, g, beta))
+    lay = chunk_layout(cu_seqlens, checkpoint_cu, checkpoint_offsets, chunk_size=chunk, num_tokens=q.shape[0],
+                       xp=jnp)
+    num_chunks = lay.chunk_len.shape[0]
+    g_tail = (head_k,) if channel else ()
+    G = pl.pallas_call(
+        functools.partial(_cumsum_kernel, chunk=chunk, channel=channel),
+        out_shape=jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, *g_tail), _F32),
+        grid=(num_chunks, num_v_heads), in_specs=[pl.BlockSpec()] * 3, out_specs=_G_block(chunk, g_tail),
+        compiler_params=plt.CompilerParams(num_stages=num_stages, num_warps=intra_num_warps), interpret=interpret,
+        name="delta_gate_cumsum",
+    )(lay.chunk_start, lay.chunk_len, g)
+    return Prepared(q, k, v, beta, G, lay, cu_seqlens, checkpoint_cu, float(scale), io_dtype)
+
+
+def _G_block(chunk, g_tail):
+    return pl.BlockSpec((None, None, chunk, *g_tail), lambda c, h: (h, c, 0, *(0,) * len(g_tail)))
+
+
+def intra_v2(p: Prepared, *, per_channel_decay, chunk_size, interpret, intra_num_warps=4, num_stages=2,
+             kda_intra="split", kda_diag="doubling", kda_block_k=None):
+    """Version 2's intra launch(es): (w, u, kd, qg, aqk), chunk-major [HV, NC, C, K | V | C] in the io dtype."""
+    head_k = p.q.shape[-1]
+    num_v_heads, head_v = p.v.shape[1:]
+    group = num_v_heads // p.q.shape[1]
+    chunk = chunk_size
+    channel = per_channel_decay
+    num_chunks = p.lay.chunk_len.shape[0]
+    dots = Dots(p.io_dtype)
+    full = pl.BlockSpec()
+    G_block = _G_block(chunk, (head_k,) if channel else ())
+    params = functools.partial(plt.CompilerParams, num_stages=num_stages, num_warps=intra_num_warps)
+    chunk_block = lambda width: pl.BlockSpec((None, None, chunk, width), lambda c, h: (h, c, 0, 0))
+    chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), p.io_dtype)
+    starts = (p.lay.chunk_start, p.lay.chunk_len)
+    kda_block_k = kda_block_k or min(head_k, head_v, 32)
+    kda_options = dict(chunk=chunk, group=group, block_k=kda_block_k, dots=dots)
+    if channel and kda_intra == "split":
+        by_row_block = lambda c, h, i: (h, c, 0, 0)
+        akk, aqk, kd, qg = pl.pallas_call(
+            functools.partial(_kda_scores_kernel, scale=p.scale, diag=kda_diag, **kda_options),
+            out_shape=(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, chunk), _F32), chunk_array(chunk),
+                       chunk_array(head_k), chunk_array(head_k)),
+            grid=(num_chunks, num_v_heads, chunk // SUB),
+            in_specs=[full] * 5 + [pl.BlockSpec((None, None, chunk, head_k), by_row_block)],
+            out_specs=tuple(pl.BlockSpec((None, None, chunk, width), by_row_block)
+                            for width in (chunk, chunk, head_k, head_k)),
+            compiler_params=params(), interpret=interpret, name="delta_intra_scores",
+        )(*starts, p.q, p.k, p.beta, p.G)
+        w, u = pl.pallas_call(
+            functools.partial(_kda_solve_kernel, **kda_options),
+            out_shape=(chunk_array(head_k), chunk_array(head_v)),
+            grid=(num_chunks, num_v_heads), in_specs=[full] * 5 + [G_block, chunk_block(chunk)],
+            out_specs=(chunk_block(head_k), chunk_block(head_v)),
+            compiler_params=params(), interpret=interpret, name="delta_intra_solve",
+        )(*starts, p.k, p.v, p.beta, p.G, akk)
+        return w, u, kd, qg, aqk
+    if channel and kda_intra == "streamed":
+        intra = functools.partial(_kda_intra_kernel_streamed, scale=p.scale, diag=kda_diag, **kda_options)
+    else:
+        intra = functools.partial(_intra_kernel_v2, chunk=chunk, group=group, channel=channel, scale=p.scale,
+                                  dots=dots)
+    return pl.pallas_call(
+        intra, grid=(num_chunks, num_v_heads), in_specs=[full] * 6 + [G_block],
+        out_shape=(chunk_array(head_k), chunk_array(head_v), chunk_array(head_k), chunk_array(head_k),
+                   chunk_array(chunk)),
+        out_specs=(chunk_block(head_k), chunk_block(head_v), chunk_block(head_k), chunk_block(head_k),
+                   chunk_block(chunk)),
+        compiler_params=params(), interpret=interpret, name="delta_intra",
+    )(*starts, p.q, p.k, p.v, p.beta, p.G)
+
+
 def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm=False, initial_state=None,
                cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
                interpret=False, num_warps=4, num_stages=2, block_v=None, intra_num_warps=4, output_block_v=None,
-               version=2, fuse_output=False, kda_intra="resident", kda_diag="doubling", kda_block_k=None):
+               version=2, fuse_output=False, kda_intra="split", kda_diag="doubling", kda_block_k=None,
+               checkpoint_pass="in_loop"):
     """The gated delta rule over packed varlen rows with checkpoint states, as four or five Pallas Triton launches.
 
     q, k                # [T, H, K]
@@ -844,58 +980,38 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     default min(V, 64)), output_block_v (output kernel V tile, default min(V, 64); version 1 KDA: V, its query
     scores are rebuilt per V tile), version (2: the kernels of the module docstring, 1: the first design, kept for
     comparison), fuse_output (version 2: the state pass writes O itself, three launches); KDA with version 2 only:
-    kda_intra ("resident" default, "split", "streamed": the intra pass, see the module docstring), kda_diag
+    kda_intra ("split" default, "resident", "streamed": the intra pass, see the module docstring), kda_diag
     ("doubling" default or "pairs": how the diagonal score blocks are formed, split and streamed only), kda_block_k
-    (split and streamed: the K / V column block, default min(K, V, 32)).
+    (split and streamed: the K / V column block, default min(K, V, 32)); version 2: checkpoint_pass ("in_loop":
+    the state pass exports inside its segmented loop; "after": the loop only stores the fp32 entry state of each
+    checkpoint chunk, by a masked store, and one small launch per checkpoint finishes the export).
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padded checkpoint entries are unspecified.
     """
-    num_tokens, num_heads, head_k = q.shape
+    num_tokens = q.shape[0]
+    head_k = q.shape[-1]
     num_v_heads, head_v = v.shape[1:]
-    group = num_v_heads // num_heads
+    group = num_v_heads // q.shape[1]
     chunk = chunk_size
     channel = per_channel_decay
     out_dtype = v.dtype
-    if scale is None:
-        scale = head_k ** -0.5
-    io_dtype = jnp.promote_types(k.dtype, v.dtype)
-    io_dtype = _F32 if jnp.dtype(io_dtype).itemsize >= 4 else jnp.dtype(io_dtype)
-    dots = Dots(io_dtype)
     block_v = block_v or min(head_v, 64)
     output_block_v = output_block_v or (head_v if channel and version == 1 else min(head_v, 64))
-
-    cu_seqlens, checkpoint_cu, checkpoint_offsets = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets,
-                                                                    num_tokens)
-    num_rows = cu_seqlens.shape[0] - 1
-    num_ckpt = checkpoint_offsets.shape[0]
-
-    if use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
-    q, k = q.astype(io_dtype), k.astype(io_dtype)
-    g = g.astype(_F32)
-    if num_tokens == 0:
-        # loads need a source row; a padding token past cu_seqlens[-1] = 0 is never read unmasked
-        q, k, v, g, beta = (jnp.zeros((1, *x.shape[1:]), x.dtype) for x in (q, k, v, g, beta))
-    lay = chunk_layout(cu_seqlens, checkpoint_cu, checkpoint_offsets, chunk_size=chunk, num_tokens=q.shape[0],
-                       xp=jnp)
+    p = prepare(q, k, v, g, beta, per_channel_decay=channel, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets,
+                chunk_size=chunk, interpret=interpret, intra_num_warps=intra_num_warps, num_stages=num_stages)
+    q, k, v, beta, G, lay, io_dtype = p.q, p.k, p.v, p.beta, p.G, p.lay, p.io_dtype
+    dots = Dots(io_dtype)
+    num_rows = p.cu_seqlens.shape[0] - 1
+    num_ckpt = lay.checkpoint_pos.shape[0]
     num_chunks = lay.chunk_len.shape[0]
     ck_start, ck_count = _checkpoint_ranges(lay, num_chunks)
     ck_pos = jnp.concatenate([lay.checkpoint_pos, jnp.zeros(1, jnp.int32)])  # never empty
 
     full = pl.BlockSpec()
     g_tail = (head_k,) if channel else ()
-    G_shape = (num_v_heads, num_chunks, chunk, *g_tail)
-    G_block = pl.BlockSpec((None, None, chunk, *g_tail), lambda c, h: (h, c, 0, *(0,) * len(g_tail)))
     params = functools.partial(plt.CompilerParams, num_stages=num_stages)
-
-    G = pl.pallas_call(
-        functools.partial(_cumsum_kernel, chunk=chunk, channel=channel),
-        out_shape=jax.ShapeDtypeStruct(G_shape, _F32), grid=(num_chunks, num_v_heads),
-        in_specs=[full, full, full], out_specs=G_block,
-        compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_gate_cumsum",
-    )(lay.chunk_start, lay.chunk_len, g)
-
     chunk_block = lambda width: pl.BlockSpec((None, None, chunk, width), lambda c, h: (h, c, 0, 0))
     chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), io_dtype)
     init = None
@@ -913,7 +1029,7 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
         w, u = pl.pallas_call(
             functools.partial(_intra_kernel, chunk=chunk, group=group, channel=channel, dots=dots),
             out_shape=(chunk_array(head_k), chunk_array(head_v)),
-            grid=(num_chunks, num_v_heads), in_specs=[full, full, full, full, full, G_block],
+            grid=(num_chunks, num_v_heads), in_specs=[full, full, full, full, full, _G_block(chunk, g_tail)],
             out_specs=(chunk_block(head_k), chunk_block(head_v)),
             compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_intra",
         )(lay.chunk_start, lay.chunk_len, k, v, beta, G)
@@ -929,7 +1045,7 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
         )(*state_inputs)
         o = pl.pallas_call(
             functools.partial(_output_kernel, chunk=chunk, group=group, channel=channel, block_v=bv,
-                              scale=float(scale), dots=dots),
+                              scale=p.scale, dots=dots),
             out_shape=o_shape, grid=(num_chunks, num_v_heads, head_v // bv),
             in_specs=[full, full, full, full,
                       pl.BlockSpec((None, None, chunk, *g_tail), lambda c, h, j: (h, c, 0, *(0,) * len(g_tail))),
@@ -939,57 +1055,39 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
             compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_output",
         )(lay.chunk_start, lay.chunk_len, q, k, G, h_states, v_new)
     else:
-        intra_outputs = dict(
-            out_shape=(chunk_array(head_k), chunk_array(head_v), chunk_array(head_k), chunk_array(head_k),
-                       chunk_array(chunk)),
-            out_specs=(chunk_block(head_k), chunk_block(head_v), chunk_block(head_k), chunk_block(head_k),
-                       chunk_block(chunk)))
-        kda_block_k = kda_block_k or min(head_k, head_v, 32)
-        kda_options = dict(chunk=chunk, group=group, block_k=kda_block_k, dots=dots)
-        if channel and kda_intra == "split":
-            by_row_block = lambda c, h, i: (h, c, 0, 0)
-            akk, aqk, kd, qg = pl.pallas_call(
-                functools.partial(_kda_scores_kernel, scale=float(scale), diag=kda_diag, **kda_options),
-                out_shape=(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, chunk), _F32), chunk_array(chunk),
-                           chunk_array(head_k), chunk_array(head_k)),
-                grid=(num_chunks, num_v_heads, chunk // SUB),
-                in_specs=[full] * 5 + [pl.BlockSpec((None, None, chunk, head_k), by_row_block)],
-                out_specs=tuple(pl.BlockSpec((None, None, chunk, width), by_row_block)
-                                for width in (chunk, chunk, head_k, head_k)),
-                compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_intra_scores",
-            )(lay.chunk_start, lay.chunk_len, q, k, beta, G)
-            w, u = pl.pallas_call(
-                functools.partial(_kda_solve_kernel, **kda_options),
-                out_shape=(chunk_array(head_k), chunk_array(head_v)),
-                grid=(num_chunks, num_v_heads), in_specs=[full] * 5 + [G_block, chunk_block(chunk)],
-                out_specs=(chunk_block(head_k), chunk_block(head_v)),
-                compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_intra_solve",
-            )(lay.chunk_start, lay.chunk_len, k, v, beta, G, akk)
-        else:
-            if channel and kda_intra == "streamed":
-                intra = functools.partial(_kda_intra_kernel_streamed, scale=float(scale), diag=kda_diag,
-                                          **kda_options)
-            else:
-                intra = functools.partial(_intra_kernel_v2, chunk=chunk, group=group, channel=channel,
-                                          scale=float(scale), dots=dots)
-            w, u, kd, qg, aqk = pl.pallas_call(
-                intra, grid=(num_chunks, num_v_heads), in_specs=[full] * 6 + [G_block], **intra_outputs,
-                compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_intra",
-            )(lay.chunk_start, lay.chunk_len, q, k, v, beta, G)
-        state_inputs = [cu_seqlens, lay.row_first_chunk, lay.row_num_chunks]
-        if num_ckpt > 0:
-            state_inputs += [*_checkpoint_segments(lay, checkpoint_cu), ck_start, ck_count, ck_pos, k]
+        w, u, kd, qg, aqk = intra_v2(p, per_channel_decay=channel, chunk_size=chunk, interpret=interpret,
+                                     intra_num_warps=intra_num_warps, num_stages=num_stages, kda_intra=kda_intra,
+                                     kda_diag=kda_diag, kda_block_k=kda_block_k)
+        after = num_ckpt > 0 and checkpoint_pass == "after"
+        state_inputs = [p.cu_seqlens, lay.row_first_chunk, lay.row_num_chunks]
+        if after:
+            # per chunk, the index of one checkpoint inside it (-1: none); its entry state lands in that slot
+            ck_chunk = jnp.where(lay.checkpoint_valid, lay.checkpoint_chunk, num_chunks)
+            entry_slot = jnp.full(num_chunks, -1, jnp.int32).at[ck_chunk].set(
+                jnp.arange(num_ckpt, dtype=jnp.int32), mode="drop")
+            state_inputs += [entry_slot]
+        elif num_ckpt > 0:
+            state_inputs += [*_checkpoint_segments(lay, p.checkpoint_cu), ck_start, ck_count, ck_pos, k]
         state_inputs += [G, w, u, kd] + ([qg, aqk] if fuse_output else []) + ([init] if init is not None else [])
         seq_outputs = (o_shape,) if fuse_output else (
             jax.ShapeDtypeStruct((num_v_heads, num_chunks, *kv), io_dtype), chunk_array(head_v))
         *seq, final_state, checkpoint_states = pl.pallas_call(
             functools.partial(_state_kernel_v2, chunk=chunk, group=group, channel=channel, block_v=block_v,
                               has_initial=init is not None, has_checkpoints=num_ckpt > 0, fused=fuse_output,
-                              dots=dots),
+                              dots=dots, checkpoint_pass=checkpoint_pass),
             out_shape=(*seq_outputs, final_shape, ckpt_shape),
             grid=state_grid, in_specs=[full] * len(state_inputs), out_specs=(full,) * (len(seq_outputs) + 2),
             compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_state",
         )(*state_inputs)
+        if after:
+            checkpoint_states = pl.pallas_call(
+                functools.partial(_checkpoint_kernel_v2, chunk=chunk, group=group, channel=channel,
+                                  block_v=block_v, dots=dots),
+                out_shape=ckpt_shape, grid=(num_ckpt, num_v_heads, head_v // block_v), in_specs=[full] * 10,
+                out_specs=full, compiler_params=params(num_warps=num_warps), interpret=interpret,
+                name="delta_checkpoints",
+            )(lay.checkpoint_chunk, ck_pos, lay.chunk_start, lay.chunk_len, entry_slot, k, G, w, u,
+              checkpoint_states)
         if fuse_output:
             (o,) = seq
         else:
