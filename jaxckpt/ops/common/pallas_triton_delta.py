@@ -717,7 +717,7 @@ def _state_kernel_v2(*refs, chunk, group, channel, block_v, has_initial, has_che
     if in_loop:
         seg_lo_ref, seg_hi_ref, seg_chunk_ref, ck_start_ref, ck_count_ref, ck_pos_ref, k_ref = take(7)
     if after:
-        (entry_slot_ref,) = take(1)
+        seg_lo_ref, seg_hi_ref, seg_chunk_ref = take(3)
     G_ref, w_ref, u_ref, kd_ref = take(4)
     if fused:
         qg_ref, aqk_ref = take(2)
@@ -752,10 +752,6 @@ def _state_kernel_v2(*refs, chunk, group, channel, block_v, has_initial, has_che
         else:
             h_ref[h, c, :, cols] = S.astype(h_ref.dtype)
             vnew_ref[h, c, :, cols] = v_new.astype(vnew_ref.dtype)
-        if after:
-            # a masked store keeps the body branch-free (pipelined); `_checkpoint_kernel_v2` finishes the export
-            slot = entry_slot_ref[c]
-            plt.store(ckpt_ref.at[jnp.maximum(slot, 0), h, :, cols], S, mask=jnp.broadcast_to(slot >= 0, S.shape))
         decay_last = jnp.exp(G_ref[h, c, chunk - 1, :])[:, None] if channel else jnp.exp(G_ref[h, c, chunk - 1])
         if checkpoints:
             k_c = _load_tokens(k_ref.at[pl.ds(start, chunk), hk, :], rows, length, (chunk, head_k))
@@ -766,7 +762,23 @@ def _state_kernel_v2(*refs, chunk, group, channel, block_v, has_initial, has_che
     def run(lo, hi, S):
         return jax.lax.fori_loop(lo, hi, chunk_step, S)
 
-    if in_loop:
+    def next_checkpoint_chunk(s):
+        return jnp.where(s < seg_hi_ref[n], seg_chunk_ref[s], -1)
+
+    def step_storing_entries(i, carry):
+        # the next checkpoint chunk rides in the carry, loaded one step ahead: the masked store's mask comes from
+        # registers, so no step waits on a metadata load; `_checkpoint_kernel_v2` finishes the export
+        S, s, next_chunk = carry
+        at_checkpoint = first + i == next_chunk
+        slot = jnp.minimum(s, ckpt_ref.shape[0] - 1)  # past a row's last checkpoint the mask is off anyway
+        plt.store(ckpt_ref.at[slot, h, :, cols], S, mask=jnp.broadcast_to(at_checkpoint, S.shape))
+        s = s + at_checkpoint.astype(jnp.int32)
+        return chunk_step(i, S), s, next_checkpoint_chunk(s)
+
+    if after:
+        s0 = seg_lo_ref[n]
+        S = jax.lax.fori_loop(0, count_ref[n], step_storing_entries, (S0, s0, next_checkpoint_chunk(s0)))[0]
+    elif in_loop:
         def segment(s, carry):
             i0, S = carry
             i_ck = seg_chunk_ref[s] - first
@@ -804,12 +816,13 @@ def _checkpoints_in_chunk(base, count, pos_ref, ckpt_ref, S, k_c, G_c, v_new, *,
 def _checkpoint_kernel_v2(ck_chunk_ref, ck_pos_ref, start_ref, len_ref, entry_slot_ref, k_ref, G_ref, w_ref, u_ref,
                           entry_ref, ckpt_ref, *, chunk, group, channel, block_v, dots):
     """`checkpoint_pass="after"`, grid (checkpoint, value head, V block): v_new of the checkpoint's chunk again from
-    its fp32 entry state (the same product as the state pass), then `_checkpoints_in_chunk` for this one entry."""
+    its fp32 entry state (entry_slot: the chunk's rank among the distinct checkpoint chunks; the same product as
+    the state pass), then `_checkpoints_in_chunk` for this one entry."""
     m, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * block_v, block_v)
     rows = jnp.arange(chunk, dtype=jnp.int32)
     c = ck_chunk_ref[m]
-    S = entry_ref[jnp.maximum(entry_slot_ref[c], 0), h, :, cols]
+    S = entry_ref[entry_slot_ref[m], h, :, cols]
     v_new = u_ref[h, c, :, cols].astype(_F32) - dots.exact(w_ref[h, c], S)
     k_c = _load_tokens(k_ref.at[pl.ds(start_ref[c], chunk), h // group, :], rows, len_ref[c],
                        (chunk, k_ref.shape[-1]))
@@ -839,6 +852,15 @@ def _checkpoint_segments(lay, checkpoint_cu):
     slot = jnp.where(is_first, seg_cu[:-1], num_ckpt)
     seg_chunk = jnp.zeros(num_ckpt + 1, jnp.int32).at[slot].set(chunk, mode="drop")
     return seg_cu[checkpoint_cu[:-1]], seg_cu[checkpoint_cu[1:]], seg_chunk
+
+
+def _checkpoint_chunk_ranks(lay):
+    """i32[M]: each checkpoint's chunk's rank among the distinct checkpoint chunks (as `_checkpoint_segments` orders
+    them); padded entries 0."""
+    chunk = lay.checkpoint_chunk
+    prev = jnp.concatenate([jnp.full(1, -1, jnp.int32), chunk[:-1]])
+    is_first = lay.checkpoint_valid & (chunk != prev)
+    return jnp.maximum(jnp.cumsum(is_first).astype(jnp.int32) - 1, 0)
 
 
 def _l2norm(x):
@@ -983,8 +1005,9 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     kda_intra ("split" default, "resident", "streamed": the intra pass, see the module docstring), kda_diag
     ("doubling" default or "pairs": how the diagonal score blocks are formed, split and streamed only), kda_block_k
     (split and streamed: the K / V column block, default min(K, V, 32)); version 2: checkpoint_pass ("in_loop":
-    the state pass exports inside its segmented loop; "after": the loop only stores the fp32 entry state of each
-    checkpoint chunk, by a masked store, and one small launch per checkpoint finishes the export).
+    the state pass exports inside its segmented loop; "after": one plain loop that stores the fp32 entry state of
+    each checkpoint chunk by a masked store, the next checkpoint chunk carried one step ahead, and one small launch
+    per checkpoint finishes the export).
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padded checkpoint entries are unspecified.
@@ -1061,11 +1084,9 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
         after = num_ckpt > 0 and checkpoint_pass == "after"
         state_inputs = [p.cu_seqlens, lay.row_first_chunk, lay.row_num_chunks]
         if after:
-            # per chunk, the index of one checkpoint inside it (-1: none); its entry state lands in that slot
-            ck_chunk = jnp.where(lay.checkpoint_valid, lay.checkpoint_chunk, num_chunks)
-            entry_slot = jnp.full(num_chunks, -1, jnp.int32).at[ck_chunk].set(
-                jnp.arange(num_ckpt, dtype=jnp.int32), mode="drop")
-            state_inputs += [entry_slot]
+            segments = _checkpoint_segments(lay, p.checkpoint_cu)
+            state_inputs += list(segments)
+            entry_slot = _checkpoint_chunk_ranks(lay)
         elif num_ckpt > 0:
             state_inputs += [*_checkpoint_segments(lay, p.checkpoint_cu), ck_start, ck_count, ck_pos, k]
         state_inputs += [G, w, u, kd] + ([qg, aqk] if fuse_output else []) + ([init] if init is not None else [])
