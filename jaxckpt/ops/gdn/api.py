@@ -12,6 +12,7 @@ REGISTRY = MappingProxyType({
     "reference": "jaxckpt.ops.gdn.reference:gated_delta_rule",
     "xla": "jaxckpt.ops.gdn.xla:gated_delta_rule",
     "pallas_triton": "jaxckpt.ops.gdn.pallas_triton:gated_delta_rule",
+    "pallas_mosaic_gpu": "jaxckpt.ops.gdn.pallas_mosaic_gpu:gated_delta_rule",
     "sequence_parallel": "jaxckpt.ops.gdn.sequence_parallel:gated_delta_rule",
 })
 

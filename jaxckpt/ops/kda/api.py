@@ -12,6 +12,7 @@ REGISTRY = MappingProxyType({
     "reference": "jaxckpt.ops.kda.reference:kda",
     "xla": "jaxckpt.ops.kda.xla:kda",
     "pallas_triton": "jaxckpt.ops.kda.pallas_triton:kda",
+    "pallas_mosaic_gpu": "jaxckpt.ops.kda.pallas_mosaic_gpu:kda",
     "sequence_parallel": "jaxckpt.ops.kda.sequence_parallel:kda",
 })
 

@@ -1,0 +1,419 @@
+"""The sequential state pass of the chunked gated delta rule (GDN scalar decay, KDA per-key-channel decay) as a Pallas
+Mosaic GPU kernel (Hopper: wgmma + TMA), exporting checkpoint states from inside the pass.
+
+Written against jax 0.11.2 (`jax.experimental.pallas.mosaic_gpu` as plgpu: `plgpu.kernel`, Lane lowering
+semantics); the Mosaic GPU API changes between jax releases, so check this module when jax moves.
+
+`delta_rule_mosaic` has `pallas_triton_delta.delta_rule`'s contract and results. It runs version 2's cumsum and
+intra launches (Pallas Triton lowering, `pallas_triton_delta.prepare` / `intra_v2`: chunk-major w, u, kd, qg, aqk
+[HV, NC, C, *] in the 16-bit input dtype) and then `_state_kernel` below, which fuses the output:
+
+    per row n, value head h, V block j (BV = 64 columns), S = S[:, cols] fp32 [K, BV], for the row's chunks c:
+    v_new = U_c - W_c S;   O_c = QG_c S + AQK_c v_new;   S <- exp(G_last) S + KD_c^T v_new
+    (KDA: exp(G_last) is a [K] vector scaling the rows of S.)
+
+Design (one CTA of one warpgroup, doing all of the below, per grid point (row, value head, V / 64)):
+- The warpgroup carries S in fp32 registers (WGMMA layout) through the row's chunks. wgmma takes 16-bit operands
+  from SMEM, so every chunk it writes S as an unevaluated sum S_hi + S_lo of two 16-bit tiles (S_hi = S rounded,
+  S_lo = the rounding error rounded), likewise v_new. The state-feeding products take both halves:
+  W S = W S_hi + W S_lo and KD^T v_new = KD^T v_new_hi + KD^T v_new_lo, accurate to ~2^-16 relative in bf16 (TF32,
+  what the Triton pass uses for them, keeps 10 mantissa bits; S_hi alone keeps 8, and the error compounds over the
+  row's chunks). Measured offline (numpy, GDN, K = V = 128, 512 chunks of mild decay, the same bf16 W, U, KD,
+  fp32 carry), final-state rel-RMS against feeding S and v_new unrounded: TF32 1.8e-4, bf16 S_hi only 4.6e-4,
+  hi + lo 7e-7. The output products use the high halves only (QG S_hi, AQK v_new_hi), as the Triton pass's 16-bit
+  "bulk" dots do. Accumulation is fp32 throughout; O goes out in the input dtype.
+- Per chunk, two rounds of wgmma: W S_hi + W S_lo (-> v_new), then the output QG S_hi + AQK v_new_hi and the state
+  update KD^T v_new_hi + KD^T v_new_lo issued together into two accumulators, so they overlap on the tensor cores
+  and only the first round plus the update sit on the chain from one chunk's S to the next.
+- Double-buffered TMA: while chunk c computes, the six tiles of chunk c + 1 (W, U[:, cols], KD, QG, AQK and the
+  decays: GDN's G row [C], KDA's G_last [K]) are in flight into the other SMEM slot, one barrier per slot. The
+  wgmmas of a chunk are complete before the next chunk starts (their accumulators are read), so a slot is free
+  for the prefetch as soon as its chunk ends. SMEM at K = 128 (bf16): 128 KB of slots, 32 KB of S halves, 16 KB
+  of v_new halves, 8 KB of O staging, 32 KB of checkpoint tiles (only with checkpoints): one CTA per SM.
+- O leaves through a staging tile and a TMA store into a chunk-major o [NC, C, HV, V] (every chunk whole, its
+  own rows: a TMA store cannot be masked by rows), from which the wrapper gathers the tokens and zeroes padding
+  tokens in one pass.
+- TMA addresses: every TMA copy starts at a whole (8, 64) tile of its GMEM array (chunk-major arrays, from row 0).
+  Mosaic GPU issues a copy between GMEM and an SMEM tile with the (8, 64) tiling as a TMA over the GMEM array tiled
+  the same way: a row offset o becomes tile o // 8 plus in-tile row o % 8, with a box 8 rows tall in a dimension 8
+  rows long, so on the GPU o % 8 of every 8 rows fall out of bounds (a store drops them, a load zero-fills them),
+  while the interpreter copies them all. An earlier version stored O at each chunk's packed token offset and
+  loaded the checkpoint keys from k [T, H, K] at the chunk start: a row starting at 1501 (o % 8 = 5) kept 3 of
+  every 8 output rows on the H200.
+- Checkpoints, exactly as `pallas_triton_delta._checkpoints_in_chunk`: the loop over a row's chunks is cut into
+  segments at the chunks holding checkpoints (`_checkpoint_segments`), and such a chunk additionally forms, for each
+  of its checkpoints at chunk position r, exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T (r = 0 gives
+  S exactly): the chunk's k rows arrive by TMA from a per-segment copy [S, C, H, K] gathered in the wrapper
+  (`_segment_keys`, rows past the row zero), G from SMEM (GDN) or global memory (KDA), kr = k exp(G_{r-1} - G)
+  (rows i >= r masked to 0 before use, so a NaN in a padding token cannot leak) is split into hi + lo tiles in
+  SMEM, and kr^T v_new = kr_hi^T v_new_hi + kr_hi^T v_new_lo + kr_lo^T v_new_hi.
+  The carried S never depends on them, so outputs and final states are bitwise unchanged by checkpoints. Final and
+  checkpoint states are stored fp32 from registers.
+- Initial states are read from global memory into registers; a row's chunks are contiguous (first chunk and count
+  per row), metadata scalars read in-kernel.
+
+Supported (`supports`): chunk 64, K and V in {64, 128}, q, k, v one 16-bit dtype (bf16 or float16), a Hopper GPU
+(or interpret mode). Float32 inputs are declined: wgmma would run them at TF32 (or a 3-way bf16 split of every
+operand tile), below the float32 class; the Triton and XLA paths serve them.
+
+Interpret mode (`interpret=True`, CPU): the state kernel runs in Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`;
+its wgmma is an fp32 matmul of the 16-bit SMEM tiles, so the hi + lo products are exact there and the interpreter
+checks the algorithm, not the tensor-core rounding), the cumsum and intra kernels in the Pallas HLO interpreter.
+The interpreter does not model `pl.run_state` accumulator operands, hence accumulators start from zero
+(`pl.run_scoped`) and addends are added after the wgmma.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mosaic_intra
+from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+
+CHUNK = 64
+HEAD_DIMS = (64, 128)
+BLOCK_V = 64
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+INTRA = ("pallas_triton", "mosaic_gpu")
+TUNING_KEYS = ("intra", "intra_num_warps", "num_stages", "kda_intra", "kda_diag", "kda_block_k")
+_INTRA_TUNING = ("intra_num_warps", "num_stages", "kda_intra", "kda_diag", "kda_block_k")
+_F32 = jnp.float32
+_WG = plgpu.Layout.WGMMA
+_ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
+_COL = _WG.reduce(0)  # one value per column
+_SWIZZLE = 128  # bytes: a 64-element 16-bit row; every operand's minor dim is a multiple of it (K, V, C, BV >= 64)
+_COPIES_PER_CHUNK = 6  # w, u, kd, qg, aqk, decays
+
+
+def _is_hopper() -> bool:
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> str | None:
+    """None when this backend can run the call, else the reason (so the caller can fall back to XLA)."""
+    unknown = sorted(set(tuning) - set(TUNING_KEYS))
+    if unknown:
+        return f"tuning: unknown options {unknown}, expected some of {TUNING_KEYS}"
+    if tuning.get("intra", INTRA[0]) not in INTRA:
+        return f"tuning: intra must be one of {INTRA}, got {tuning['intra']!r}"
+    if chunk_size != CHUNK:
+        return f"chunk_size: the Mosaic GPU state pass runs {CHUNK}-token chunks (wgmma tiles), got {chunk_size!r}"
+    if q.ndim != 3 or v.ndim != 3:
+        return "q, v: expected [T, H, K] and [T, HV, V]"
+    for name, size in (("K", q.shape[-1]), ("V", v.shape[-1])):
+        if size not in HEAD_DIMS:
+            return f"{name}: must be one of {HEAD_DIMS} for the wgmma tiles, got {size}"
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return (f"q, k, v: one 16-bit dtype (bfloat16 or float16) for the wgmma operands, got {q.dtype}, {k.dtype}, "
+                f"{v.dtype} (float32 inputs: use pallas_triton or xla)")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+            return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
+    if tuning.get("intra") == "mosaic_gpu" and g.ndim != 2:
+        return "tuning: intra='mosaic_gpu' is written for GDN (scalar decay) only; KDA takes intra='pallas_triton'"
+    intra_tuning = {key: value for key, value in tuning.items() if key in _INTRA_TUNING}
+    reason = triton_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **intra_tuning)
+    if reason is not None:
+        return f"intra pass (pallas_triton): {reason}"
+    if not interpret and not _is_hopper():
+        return "backend: the Mosaic GPU state pass needs a Hopper GPU (sm_90, wgmma) or interpret=True"
+    return None
+
+
+def _swizzled(shape, dtype):
+    """SMEM tile laid out for TMA and wgmma: (8, 128-byte) tiles, 128-byte swizzle."""
+    elems = _SWIZZLE // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(_SWIZZLE)))
+
+
+def _load(ref, layout=_WG):
+    return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def _rows(x, shape):
+    """A per-row vector (`_ROW` layout) broadcast along the columns."""
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _cols(x, shape):
+    """A per-column vector (`_COL` layout) broadcast along the rows."""
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+def _matmuls(*products):
+    """For each (shape, pairs) in products: sum(a @ b for a, b in pairs) on the tensor cores, fp32 accumulators.
+
+    a [M, K] and b [K, N] are SMEM refs. Every wgmma is issued before the first accumulator is read, so independent
+    products overlap on the tensor cores. The optimization barrier keeps arithmetic on the results after the
+    accumulator reads: their wgmma wait has no data dependency on the registers, so LLVM could otherwise move uses
+    of stale registers before it.
+    """
+    def scoped(*accs):
+        for acc, (_, pairs) in zip(accs, products):
+            for a, b in pairs:
+                plgpu.wgmma(acc, a, b)
+        return tuple(acc[...] for acc in accs)
+
+    accs = [plgpu.ACC(shape, _F32) for shape, _ in products]
+    return lax.optimization_barrier(pl.run_scoped(scoped, *accs))
+
+
+def _matmul(shape, *pairs):
+    return _matmuls((shape, pairs))[0]
+
+
+def _split(x, hi_ref, lo_ref):
+    """Stores x (fp32) as x_hi + x_lo, two tiles of the refs' 16-bit dtype."""
+    hi = x.astype(hi_ref.dtype)
+    hi_ref[...] = hi
+    lo_ref[...] = (x - hi.astype(_F32)).astype(lo_ref.dtype)
+
+
+def _state_kernel(*refs, chunk, group, channel, has_initial, has_checkpoints):
+    refs = list(refs)
+    take = lambda count: [refs.pop(0) for _ in range(count)]
+    first_ref, count_ref = take(2)
+    if has_checkpoints:
+        seg_lo_ref, seg_hi_ref, seg_chunk_ref, ck_start_ref, ck_count_ref, ck_pos_ref, seg_k_ref = take(7)
+        G_full_ref = refs.pop(0) if channel else None
+    dec_ref, w_ref, u_ref, kd_ref, qg_ref, aqk_ref = take(6)
+    init_ref = refs.pop(0) if has_initial else None
+    o_ref, final_ref, ckpt_ref = take(3)
+    (w_s, u_s, kd_s, qg_s, aqk_s, dec_s, s_hi, s_lo, vn_hi, vn_lo, o_s, bar) = take(12)
+    kr_hi, kr_lo, k_bar = take(3) if has_checkpoints else (None, None, None)
+
+    n, h, j = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("j")
+    hk = lax.div(h, group)
+    cols = pl.ds(j * BLOCK_V, BLOCK_V)
+    head_k = w_s.shape[-1]
+    state_shape = (head_k, BLOCK_V)
+    first, count = first_ref[n], count_ref[n]
+
+    def fetch(i, slot):
+        c = first + i
+        bar_slot = bar.at[slot]
+        plgpu.copy_gmem_to_smem(w_ref.at[h, c], w_s.at[slot], bar_slot)
+        plgpu.copy_gmem_to_smem(u_ref.at[h, c, :, cols], u_s.at[slot], bar_slot)
+        plgpu.copy_gmem_to_smem(kd_ref.at[h, c], kd_s.at[slot], bar_slot)
+        plgpu.copy_gmem_to_smem(qg_ref.at[h, c], qg_s.at[slot], bar_slot)
+        plgpu.copy_gmem_to_smem(aqk_ref.at[h, c], aqk_s.at[slot], bar_slot)
+        plgpu.copy_gmem_to_smem(dec_ref.at[h, c], dec_s.at[slot], bar_slot)
+
+    @pl.when(count > 0)
+    def _():
+        fetch(0, 0)
+
+    if has_initial:
+        S0 = _load(init_ref.at[n, h, :, cols])
+    else:
+        S0 = plgpu.layout_cast(jnp.zeros(state_shape, _F32), _WG)
+
+    def take_checkpoints(s, c, slot, S):
+        """The checkpoints of chunk c, segment s (`pallas_triton_delta._checkpoints_in_chunk`); v_new is in
+        vn_hi/vn_lo."""
+        # the chunk's key rows (`_segment_keys`: whole-tile aligned, rows past the row zero) land in kr_hi, free until
+        # the first split below
+        plgpu.copy_gmem_to_smem(seg_k_ref.at[s, :, hk, :], kr_hi, k_bar)
+        plgpu.barrier_wait(k_bar)
+        # only S and the 16-bit keys stay live across the checkpoints; the fp32 tiles are rebuilt per checkpoint
+        k_c = _load(kr_hi)  # [C, K]
+        tile = (chunk, head_k)
+
+        def one(m, carry):
+            r = ck_pos_ref[m]
+            at = jnp.maximum(r - 1, 0)
+            inside = jnp.where(r > 0, 1.0, 0.0)  # r = 0: no rows below and the state decays by exp(0): S itself
+            before = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=_WG) < r
+            if channel:
+                G_c = _load(G_full_ref.at[h, c])  # [C, K]
+                G_r = _cols(_load(G_full_ref.at[h, c, at], _COL), tile)
+                decay = _rows(jnp.exp(_load(G_full_ref.at[h, c, at], _ROW) * inside), state_shape)
+            else:
+                G_c = _rows(_load(dec_s.at[slot], _ROW), tile)
+                G_r = dec_s[slot, at]
+                decay = jnp.exp(G_r * inside)
+            kr = jnp.where(before, k_c.astype(_F32) * jnp.exp(jnp.where(before, G_r - G_c, -jnp.inf)), 0.0)
+            _split(kr, kr_hi, kr_lo)
+            plgpu.commit_smem()
+            added = _matmul(state_shape, (kr_hi.T, vn_hi), (kr_hi.T, vn_lo), (kr_lo.T, vn_hi))
+            ckpt_ref.at[m, h, :, cols][...] = decay * S + added
+            return carry
+
+        lax.fori_loop(ck_start_ref[c], ck_start_ref[c] + ck_count_ref[c], one, 0)
+
+    def chunk_step(i, S, *, segment=None):
+        c = first + i  # a row's chunks are contiguous: no per-chunk metadata load
+        slot = lax.rem(i, 2)
+
+        @pl.when(i + 1 < count)
+        def _():
+            plgpu.commit_smem()  # order this thread's earlier SMEM accesses before the async proxy's writes
+            fetch(i + 1, 1 - slot)
+
+        plgpu.barrier_wait(bar.at[slot])
+        _split(S, s_hi, s_lo)
+        plgpu.commit_smem()
+        # operands of the elementwise work are read before the wgmma waits, so the reads overlap the tensor cores
+        u = _load(u_s.at[slot]).astype(_F32)  # [C, BV]
+        if channel:
+            decay = _rows(jnp.exp(_load(dec_s.at[slot], _ROW)), state_shape)  # G_last [K] per row of S
+        else:
+            decay = jnp.exp(dec_s[slot, chunk - 1])  # padded rows have g = 0: the last real token's G
+        v_new = u - _matmul((chunk, BLOCK_V), (w_s.at[slot], s_hi), (w_s.at[slot], s_lo))
+        _split(v_new, vn_hi, vn_lo)
+        plgpu.commit_smem()
+        kd_t = kd_s.at[slot].T  # [K, C]
+        o, added = _matmuls(((chunk, BLOCK_V), ((qg_s.at[slot], s_hi), (aqk_s.at[slot], vn_hi))),
+                            (state_shape, ((kd_t, vn_hi), (kd_t, vn_lo))))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's store has read o_s
+        o_s[...] = o.astype(o_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_ref.at[c, :, h, cols])
+        if segment is not None:
+            take_checkpoints(segment, c, slot, S)
+        return decay * S + added
+
+    def run(lo, hi, S):
+        return lax.fori_loop(lo, hi, chunk_step, S)
+
+    if has_checkpoints:
+        def segment(s, carry):
+            i0, S = carry
+            i_ck = seg_chunk_ref[s] - first
+            S = chunk_step(i_ck, run(i0, i_ck, S), segment=s)
+            return i_ck + 1, S
+
+        i0, S = lax.fori_loop(seg_lo_ref[n], seg_hi_ref[n], segment, (jnp.int32(0), S0))
+        S = run(i0, count, S)
+    else:
+        S = run(0, count, S0)
+    final_ref.at[n, h, :, cols][...] = S
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _segment_keys(p, seg_chunk, chunk):
+    """The key rows of each checkpoint chunk (`_checkpoint_segments`' seg_chunk), [S, C, H, K], rows past the chunk's
+    tokens zero: the kernel's TMA load of a segment's keys starts at a whole (8, 64) tile, which an offset into k
+    [T', H, K] at a row start would not (module docstring, "TMA addresses")."""
+    pos = jnp.arange(chunk, dtype=jnp.int32)
+    rows = p.lay.chunk_start[seg_chunk][:, None] + pos
+    inside = pos < p.lay.chunk_len[seg_chunk][:, None]
+    keys = p.k[jnp.minimum(rows, p.k.shape[0] - 1)]
+    return jnp.where(inside[:, :, None, None], keys, jnp.zeros((), keys.dtype))  # a select: NaN padding stays out
+
+
+def state_pass(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False):
+    """The Mosaic GPU state pass over `pallas_triton_delta.prepare`'s `p` and version 2's intermediates.
+
+    `interpret`: False (GPU), True (Mosaic GPU's interpreter) or a `plgpu.InterpretGPUParams` for it.
+
+    w, kd, qg   # [HV, NC, C, K] 16-bit
+    u           # [HV, NC, C, V]
+    aqk         # [HV, NC, C, C]
+    init        # fp32 [N, HV, K, V] or None (zeros)
+    Returns (o chunk-major [NC, C, HV, V] (token t at [token_chunk[t], token_pos[t]]), final fp32 [N, HV, K, V],
+    checkpoints fp32 [max(M, 1), HV, K, V]; rows of unused chunks, padding rows and padded entries unspecified).
+    """
+    lay, io_dtype, chunk, channel = p.lay, p.io_dtype, CHUNK, per_channel_decay
+    num_v_heads, num_chunks, _, head_k = w.shape
+    head_v = u.shape[-1]
+    group = num_v_heads // p.q.shape[1]
+    num_rows = p.cu_seqlens.shape[0] - 1
+    num_ckpt = lay.checkpoint_pos.shape[0]
+    has_checkpoints = num_ckpt > 0
+    inputs = [lay.row_first_chunk, lay.row_num_chunks]
+    if has_checkpoints:
+        ck_start, ck_count = triton_delta._checkpoint_ranges(lay, num_chunks)
+        seg_lo, seg_hi, seg_chunk = triton_delta._checkpoint_segments(lay, p.checkpoint_cu)
+        inputs += [seg_lo, seg_hi, seg_chunk, ck_start, ck_count, lay.checkpoint_pos,
+                   _segment_keys(p, seg_chunk, chunk)]
+        inputs += [p.G] if channel else []
+    decays = p.G[:, :, chunk - 1, :] if channel else p.G  # KDA: G_last [HV, NC, K]; GDN: the G rows [HV, NC, C]
+    inputs += [decays, w, u, kd, qg, aqk] + ([init] if init is not None else [])
+    kv = (head_k, head_v)
+    out_type = (jax.ShapeDtypeStruct((num_chunks, chunk, num_v_heads, head_v), io_dtype),
+                jax.ShapeDtypeStruct((num_rows, num_v_heads, *kv), _F32),
+                jax.ShapeDtypeStruct((max(num_ckpt, 1), num_v_heads, *kv), _F32))
+    scratch = [_swizzled((2, chunk, head_k), io_dtype), _swizzled((2, chunk, BLOCK_V), io_dtype),
+               _swizzled((2, chunk, head_k), io_dtype), _swizzled((2, chunk, head_k), io_dtype),
+               _swizzled((2, chunk, chunk), io_dtype), plgpu.SMEM((2, decays.shape[-1]), _F32),
+               _swizzled((head_k, BLOCK_V), io_dtype), _swizzled((head_k, BLOCK_V), io_dtype),
+               _swizzled((chunk, BLOCK_V), io_dtype), _swizzled((chunk, BLOCK_V), io_dtype),
+               _swizzled((chunk, BLOCK_V), io_dtype),
+               plgpu.Barrier(num_arrivals=_COPIES_PER_CHUNK, num_barriers=2)]
+    if has_checkpoints:
+        scratch += [_swizzled((chunk, head_k), io_dtype), _swizzled((chunk, head_k), io_dtype), plgpu.Barrier()]
+    kernel = plgpu.kernel(
+        functools.partial(_state_kernel, chunk=chunk, group=group, channel=channel, has_initial=init is not None,
+                          has_checkpoints=has_checkpoints),
+        out_type=out_type, scratch_types=scratch, grid=(num_rows, num_v_heads, head_v // BLOCK_V),
+        grid_names=("n", "h", "j"),
+        # Lane semantics: SMEM tiles keep exactly the transforms given above (wgmma and TMA need them)
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret is True else interpret or None,
+        kernel_name="delta_state_mosaic")
+    return kernel(*inputs)
+
+
+def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm=False, initial_state=None,
+                      cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
+                      interpret=False, intra="pallas_triton", intra_num_warps=4, num_stages=2, kda_intra="split",
+                      kda_diag="doubling", kda_block_k=None):
+    """`pallas_triton_delta.delta_rule` with the Mosaic GPU state pass (module docstring); same arguments and results.
+
+    q, k                # [T, H, K] 16-bit
+    v                   # [T, HV, V] same dtype
+    g                   # [T, HV] (GDN) or [T, HV, K] (KDA, `per_channel_decay`): log decay <= 0
+    beta                # [T, HV]
+    initial_state       # [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk"); None = zeros
+    cu_seqlens          # i32[N + 1]; None = one row over all T tokens
+    checkpoint_cu       # i32[N + 1] with checkpoint_offsets i32[M]; both None = no checkpoints
+    `intra`: the kernels producing w, u, kd, qg, aqk ("pallas_triton": `pallas_triton_delta.intra_v2`, tuned by
+    intra_num_warps, num_stages and, for KDA, kda_intra, kda_diag, kda_block_k as there; "mosaic_gpu", GDN only:
+    `pallas_mosaic_gpu_intra.gdn_intra`, wgmma, same layouts). `interpret`: True runs
+    every kernel on CPU; a `plgpu.InterpretGPUParams` (e.g. detect_races=True) does too, with those settings for the
+    Mosaic GPU interpreter.
+
+    Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
+    checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padding tokens and padded checkpoint entries are zeros.
+    """
+    if intra not in INTRA:
+        raise ValueError(f"intra: must be one of {INTRA}, got {intra!r}")
+    num_tokens = q.shape[0]
+    triton_interpret = bool(interpret)  # the Triton kernels take the HLO interpreter, whatever the Mosaic GPU one
+    p = triton_delta.prepare(q, k, v, g, beta, per_channel_decay=per_channel_decay, scale=scale,
+                             use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
+                             checkpoint_offsets=checkpoint_offsets, chunk_size=chunk_size, interpret=triton_interpret,
+                             intra_num_warps=intra_num_warps, num_stages=num_stages)
+    if intra == "mosaic_gpu":
+        w, u, kd, qg, aqk = mosaic_intra.gdn_intra(p.lay.chunk_start, p.lay.chunk_len, p.q, p.k, p.v, p.beta, p.G,
+                                                   chunk=chunk_size, group=p.v.shape[1] // p.q.shape[1],
+                                                   scale=p.scale, interpret=interpret)
+    else:
+        w, u, kd, qg, aqk = triton_delta.intra_v2(p, per_channel_decay=per_channel_decay, chunk_size=chunk_size,
+                                                  interpret=triton_interpret, intra_num_warps=intra_num_warps,
+                                                  num_stages=num_stages, kda_intra=kda_intra, kda_diag=kda_diag,
+                                                  kda_block_k=kda_block_k)
+    init = None
+    if initial_state is not None:
+        init = initial_state.astype(_F32)
+        init = init.swapaxes(-1, -2) if state_layout == "vk" else init
+    o_chunks, final_state, checkpoint_states = state_pass(p, w, u, kd, qg, aqk, init,
+                                                          per_channel_decay=per_channel_decay, interpret=interpret)
+    lay = p.lay
+    # tokens from their chunks' rows in one gather; padding tokens (pointing at chunk 0, maybe never written) and
+    # padded CSR entries zeroed by a select
+    o = o_chunks.reshape(-1, *o_chunks.shape[2:])[lay.token_chunk * chunk_size + lay.token_pos]  # [T', HV, V]
+    o = jnp.where(lay.token_valid[:, None, None], o, 0)[:num_tokens]
+    num_ckpt = lay.checkpoint_pos.shape[0]
+    checkpoint_states = jnp.where(lay.checkpoint_valid[:, None, None, None], checkpoint_states[:num_ckpt], 0)
+    if state_layout == "vk":
+        final_state, checkpoint_states = final_state.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
+    return o, final_state, checkpoint_states

@@ -1,0 +1,528 @@
+"""The GDN (scalar decay) intra-chunk pass as one Pallas Mosaic GPU kernel: a drop-in for the Triton-lowered
+`pallas_triton_delta._intra_kernel_v2` (same outputs, layouts and dtypes; the math is in `jaxckpt/ops/gdn/README.md`).
+
+Built on jax 0.11.2 with `plgpu.kernel` (grid (chunk, value head), one warpgroup per CTA, Hopper wgmma); on CPU it
+runs under Mosaic GPU's interpreter (`interpret=True` or a `plgpu.InterpretGPUParams`). Per chunk c and value head
+h, with G the chunk-local inclusive cumulative log decay (`_cumsum_kernel`'s output):
+
+1. TMA loads of the chunk's q, k (key head h // group) and v rows [start, start + 64) into plain SMEM, and of G and
+   the chunk-major beta row (prepared in XLA, padding rows 0: a [T, HV] column is strided, which TMA cannot read).
+   The landing tiles carry no tiling: a tiled (8, 64) TMA destination views GMEM as 8-row tiles, which needs
+   tile-aligned starts and T % 8 == 0, while chunk starts follow cu_seqlens (they may carry the TMA's swizzle,
+   `landing`). Rows past the chunk's length (the next row's tokens, padding, or rows past T, which TMA fills with
+   0) are masked to zero in registers (`where`, so even NaN padding stays out).
+2. From registers: the wgmma operands q, k, beta exp(G) k and beta v go to 128-byte-swizzled SMEM (every wgmma
+   operand is an SMEM ref: the interpreter takes no register operands); KD = K exp(G_last - G) and
+   QG = scale Q exp(G) go out through staging tiles (with `chunks_per_cta` > 1, through their landing tiles).
+3. wgmma: S = K K^T and Q K^T (64 x 64, fp32 accumulators). AQK = scale tril(Q K^T exp(G_i - G_j)) and
+   A = strictly-lower beta_i S_ij exp(G_i - G_j); exponents are masked to -inf before exp.
+4. T = (I + A)^-1 by recursive doubling on the whole 64 x 64 tile, so every product is one M = 64 wgmma (suits
+   wgmma better than 16 x 16 blocks): T_2 = I - A_1, then T_2s = T_s - T_s (A_s T_s) for s = 2, 4, 8, 16, 32, with
+   A_s the part of A in the (lower half, upper half) quadrant of each 2s-row block. T_2s is the exact block inverse
+   [[T11, 0], [-T22 A21 T11, T22]], so the only errors are those of the products. `inverse="split"`: each
+   product runs on split operands, x = hi + lo with hi = bf16(x), lo = bf16(x - hi) (x to ~2^-17 relative), and
+   hi.hi + hi.lo + lo.hi (three bf16 wgmmas, fp32 accumulation), ~2^-16 relative to |a| |b| per product.
+   `inverse="f16"`: one fp16 wgmma per product (Tuning, below).
+5. W = T (beta exp(G) K), U = T (beta V) with T split (hi + lo, two wgmmas each; one term of the I/O dtype with the
+   fp16 inverse) and the right-hand sides rounded to the input dtype (as FLA); all five outputs go to the
+   chunk-major [HV, NC, C, ...] arrays by TMA stores.
+
+fp32 inputs take a precise path, not TF32: every operand is split as in step 4 (hi.hi + hi.lo + lo.hi), so the
+outputs land at ~5e-6 relative (Triton's IEEE fp32 dots: ~1e-7). 16-bit inputs: K K^T and Q K^T are exact 16-bit
+products with fp32 accumulation, as the Triton kernel's bulk dots.
+
+Tuning (`gdn_intra`'s keyword options; `default_tuning` fills in those left out). Measured on an H200 before the
+options (bf16, T 8192, H 16, K = V = 128): 0.147 ms for ~250 MB of inputs and outputs, half the HBM bandwidth,
+with the tensor cores about a third busy: one chunk per CTA runs load, a serial chain of dependent wgmmas and store
+one after another, and only the SM's second CTA fills the gaps. The options shorten that chain or hide work under
+it; each keeps the first form selectable ("split", 1, "rows") for A/B runs (`bench/mosaic_gpu_intra_quick.py
+--variants`).
+
+- `inverse` ("split" | "f16"; default "f16" for 16-bit I/O, fp32 takes only "split"). The doubling is the CTA's
+  critical path: 10 dependent products, each an SMEM round trip (registers to swizzled SMEM, fence and warpgroup
+  barrier, wgmma, wait). "split" issues three wgmmas and stores two terms per operand; "f16" one wgmma and one
+  term: a third of the inverse's tensor work and half its SMEM stores, all on that path. fp16 keeps 11 significant
+  bits, as TF32 does (the Triton kernel's and FLA's merges), and lands in that class. Numpy emulation of this
+  doubling (unit keys, beta ~ U(0, 1), 20 chunks per case), max |T - T_exact| / max |T|: fp16 7.3e-4 with keys
+  0.9-correlated and no decay, 7.8e-4 at 0.99, 2.3e-4 uncorrelated; split 1.3e-5 / 1.9e-5; plain bf16 6.1e-3 /
+  6.5e-3. The outputs do not see it: with bf16 I/O (decay on) the rel-RMS of W and U against float64 is 2.3-2.5e-3
+  for split or fp16 inverses and T in W, U split or rounded once to bf16, dominated by rounding beta exp(G) K,
+  beta V and the outputs to bf16; hence one term of T for W, U in this mode (it also frees 8 KB of SMEM, below).
+  Range: fp16 ends at 65504 and goes subnormal below 6e-5 (absolute error <= 2^-25). A's entries are
+  beta_i (k_i . k_j) exp(G_i - G_j), at most 1 for l2-normalized keys (GDN's) and beta <= 1, and the emulation's
+  max |T| is 1 (the diagonal); un-normalized keys with large beta can overflow it, and "split" is the way back.
+- `chunks_per_cta` (n; 1 is the kernel's first form, one chunk per CTA; default: the most of 8, 4, 2 that still
+  gives each of the GPU's CTA slots (two per SM) work, else 1; more than 1 needs 16-bit I/O). A CTA walks n
+  consecutive chunks of one value head and issues the next chunk's loads once the current chunk's landing tiles
+  are consumed (right after the scores), so they arrive under the inverse and W, U; each chunk's stores drain
+  under the next chunk's work (a chunk waits only for the previous stores to have read SMEM). The landing tiles
+  are read first, so no double buffering is needed, which keeps two CTAs per SM (they still overlap each other's
+  serial inverse) at 107 KB with the fp16 inverse (bf16, K = V = 128): KD and QG are staged in place in their
+  landing tiles (two 16 KB tiles per chunk, bank conflicts and all with `landing="rows"`), W and U leave
+  through the tiles of their right-hand sides, and beta exp(G) k waits in registers through the scores so that
+  its tile shares bytes with k's and q's operands. With the split inverse this layout needs 123 KB: one CTA per SM,
+  kept for the A/B only. It does not change the work's quantization (T 8192, H 16: 2048 chunks over 264 slots,
+  8 in the busiest slot for every n), only the gaps in each CTA's timeline.
+- `landing` ("rows" | "swizzled"; default "swizzled"). Every chunk reads its three landing tiles into registers
+  (WGMMA layout) before its first wgmma, and with n > 1 writes KD and QG back into them. Row-major, with 256-byte
+  rows (16-bit, K = 128), the 8 rows a warp touches per access start on the same bank: 8-way conflicts on 48 KB of
+  reads per chunk (and 32 KB of writes with n > 1), all on the CTA's serial path. "swizzled" lands each 128-byte
+  column piece of a tile as its own TMA box with the TMA's 128-byte swizzle, which spreads those 8 rows over all
+  banks; no tiling is involved, so unaligned chunk starts stay legal. The price: K * itemsize / 128 boxes per tile
+  instead of one (same bytes) and a register concatenation.
+
+Not done: folding the XLA beta prep (2 us of the 150 at T 8192) into the kernel needs a [64, HV] TMA box of the
+[T, HV] beta (HV * itemsize >= 16 bytes, not every head count) and a column read out of SMEM; later, if the kernel
+nears its memory floor.
+
+SMEM (`plgpu.RefUnion`s of groups with disjoint lifetimes). n = 1: the landing tiles; q's operand and the score
+outputs' staging; the inverse's operands and the W, U staging. bf16, K = V = 128: 99 KB per CTA (either inverse),
+so two CTAs share an H100/H200 SM (one CTA's loads and stores overlap the other's math); fp32, K = V = 128:
+195 KB, one CTA. n > 1: the landing tiles and beta v's operand live through a chunk; k's and q's operands until
+the scores, then beta exp(G) k's, the inverse's operands and AQK's staging tile (which, with the fp16 inverse,
+then holds T for W and U).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
+HEAD_DIMS = (64, 128)
+TUNING_KEYS = ("inverse", "chunks_per_cta", "landing")
+INVERSES = ("split", "f16")
+LANDINGS = ("rows", "swizzled")
+MAX_GRID_CHUNKS = 65535  # CUDA's cap on the grid's y dimension, where the chunk axis lands
+_F32 = jnp.float32
+_WG = plgpu.Layout.WGMMA
+_ROWS = _WG.reduce(1)  # one value per row of a [C, N] WGMMA tile
+_COLS = _WG.reduce(0)  # one value per column
+
+
+def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str | None:
+    """None when `gdn_intra` can run the call, else the reason (so the caller can fall back)."""
+    unknown = sorted(set(tuning) - set(TUNING_KEYS))
+    if unknown:
+        return f"tuning: unknown options {unknown}, expected some of {TUNING_KEYS}"
+    if chunk != CHUNK:
+        return f"chunk: must be {CHUNK} (wgmma tiles have 64 rows), got {chunk!r}"
+    if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or beta.ndim != 2 or G.ndim != 3:
+        return "q, k, v, beta, G: expected [T, H, K], [T, H, K], [T, HV, V], [T, HV], [HV, NC, C]"
+    if v.shape[1] % q.shape[1]:
+        return f"v: value heads ({v.shape[1]}) must be a multiple of key heads ({q.shape[1]})"
+    for name, size in (("K", q.shape[-1]), ("V", v.shape[-1])):
+        if size not in HEAD_DIMS:
+            return f"{name}: must be one of {HEAD_DIMS} on this backend, got {size}"
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+            return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
+    wide = _io_dtype(k, v).itemsize >= 4
+    if tuning.get("inverse", INVERSES[0]) not in INVERSES:
+        return f"inverse: must be one of {INVERSES}, got {tuning['inverse']!r}"
+    if wide and tuning.get("inverse") == "f16":
+        return "inverse: 'f16' needs 16-bit inputs (fp32 ones take the precise 'split' path)"
+    if tuning.get("landing", LANDINGS[0]) not in LANDINGS:
+        return f"landing: must be one of {LANDINGS}, got {tuning['landing']!r}"
+    per_cta = tuning.get("chunks_per_cta", 1)
+    if not isinstance(per_cta, int) or per_cta < 1:
+        return f"chunks_per_cta: must be a positive int, got {per_cta!r}"
+    if wide and per_cta > 1:
+        return "chunks_per_cta: more than 1 needs 16-bit inputs (fp32 tiles do not fit in SMEM twice)"
+    if G.shape[1] > MAX_GRID_CHUNKS:
+        return f"G: at most {MAX_GRID_CHUNKS} chunks per launch, got {G.shape[1]}"
+    if not interpret:
+        device = jax.devices()[0]
+        if device.platform != "gpu" or getattr(device, "compute_capability", None) != "9.0":
+            return f"backend: wgmma needs an sm_90 GPU (or interpret=True), got {device.device_kind!r}"
+    return None
+
+
+def _swizzled(shape, dtype):
+    """SMEM tiled (8, swizzle / itemsize) and swizzled: as wgmma operands need, and conflict-free register stores."""
+    dtype = jnp.dtype(dtype)
+    swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
+
+
+def _iota(shape, dim):
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_WG)
+
+
+def _by_row(vec, shape):
+    return lax.broadcast_in_dim(vec, shape, [0])
+
+
+def _by_col(vec, shape):
+    return lax.broadcast_in_dim(vec, shape, [1])
+
+
+def _split(x, dtype, parts):
+    """x (fp32) as `parts` terms of `dtype`: (x,) rounded, or (hi, lo) with hi + lo = x to ~2^-17 relative."""
+    hi = x.astype(dtype)
+    return (hi,) if parts == 1 else (hi, (x - hi.astype(_F32)).astype(dtype))
+
+
+def _store_parts(buf, x, parts):
+    for p, part in enumerate(_split(x, buf.dtype, parts)):
+        buf.at[p][...] = part
+
+
+def _dots(*products):
+    """For each (lhs, rhs, shape): sum of lhs[i] @ rhs[j] over i + j < 2 (hi.hi, hi.lo, lo.hi of split operands).
+
+    wgmma with fp32 accumulation; lhs and rhs terms are SMEM refs (the interpreter takes no register operands).
+    Independent products are all issued before the first wait. Reading an accumulator waits for the wgmmas; the
+    optimization barrier keeps later arithmetic from being scheduled before that wait (jla saw stale, silently
+    zero results without it on sm_90 with jax 0.11.2).
+    """
+    def body(*accs):
+        for acc, (lhs, rhs, _) in zip(accs, products):
+            for i, a in enumerate(lhs):
+                for j, b in enumerate(rhs):
+                    if i + j < 2:
+                        plgpu.wgmma(acc, a, b)
+        return tuple(acc[...] for acc in accs)
+
+    return lax.optimization_barrier(pl.run_scoped(body, *(plgpu.ACC(shape, _F32) for *_, shape in products)))
+
+
+def _dot(lhs, rhs, shape):
+    (out,) = _dots((lhs, rhs, shape))
+    return out
+
+
+def _half_pairs(s):
+    """[C, C] mask of the pairs (i, j) in one 2s-row block with i in its lower half and j in its upper half."""
+    rows, cols = _iota((CHUNK, CHUNK), 0), _iota((CHUNK, CHUNK), 1)
+    same = lax.div(rows, 2 * s) == lax.div(cols, 2 * s)
+    return same & (lax.rem(rows, 2 * s) >= s) & (lax.rem(cols, 2 * s) < s)
+
+
+def _inverse(A, t_buf, p_buf, lhs_buf=None):
+    """(I + A)^-1 of a strictly lower-triangular fp32 [C, C] tile by recursive doubling (module docstring, step 4).
+
+    t_buf, p_buf: swizzled [parts, C, C] SMEM for the terms of the wgmma operands (bf16 (hi, lo) or one fp16 term,
+    `inverse`): T_s (both sides), A_s, then A_s T_s in p_buf. Returns the terms of T in lhs_buf (default t_buf), the
+    left operand of W and U.
+    """
+    sq = (CHUNK, CHUNK)
+    parts = t_buf.shape[0]
+    lhs_buf = t_buf if lhs_buf is None else lhs_buf
+    eye = jnp.where(_iota(sq, 0) == _iota(sq, 1), 1.0, 0.0)
+    T = eye - jnp.where(_half_pairs(1), A, 0.0)
+    t_terms, p_terms = tuple(t_buf.at[p] for p in range(parts)), tuple(p_buf.at[p] for p in range(parts))
+    s = 2
+    while s < CHUNK:
+        _store_parts(t_buf, T, parts)
+        _store_parts(p_buf, jnp.where(_half_pairs(s), A, 0.0), parts)
+        plgpu.commit_smem()
+        prod = _dot(p_terms, t_terms, sq)  # returns after the wgmmas finished reading p_buf
+        _store_parts(p_buf, prod, parts)
+        plgpu.commit_smem()
+        T = T - _dot(t_terms, p_terms, sq)
+        s *= 2
+    _store_parts(lhs_buf, T, lhs_buf.shape[0])
+    plgpu.commit_smem()
+    return tuple(lhs_buf.at[p] for p in range(lhs_buf.shape[0]))
+
+
+def _stage_out(stages, x, dst):
+    """x [C, N] -> dst (GMEM) through the N-wide staging tile, once earlier stores have finished reading theirs.
+
+    One tile per width: a TMA store needs a contiguous SMEM source, which a column slice of a tiled buffer is not.
+    """
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    stage = stages[x.shape[-1]]
+    stage[...] = x.astype(stage.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage, dst)
+
+
+def _pieces(land):
+    """A landing tile's TMA boxes: the whole [C, N] row-major tile, or each 128-byte column piece of a swizzled one."""
+    return [land] if land.ndim == 2 else [land.at[j] for j in range(land.shape[0])]
+
+
+def _land(src, land, bar):
+    """TMA of src (GMEM [C, N]) into its landing tile, one box per piece."""
+    for j, piece in enumerate(_pieces(land)):
+        width = piece.shape[-1]
+        plgpu.copy_gmem_to_smem(src.at[:, pl.ds(j * width, width)], piece, bar)
+
+
+def _tokens(land, length):
+    """The landing tile's rows as fp32 [C, N], rows past the chunk's length zero (`where`: NaN padding stays out)."""
+    x = jnp.concatenate([plgpu.load(piece, layout=_WG) for piece in _pieces(land)], axis=1).astype(_F32)
+    return jnp.where(_iota(x.shape, 0) < length, x, 0.0)
+
+
+def _store_in_place(land, x, dst):
+    """x [C, N] -> dst (GMEM) through its (consumed) landing tile, piece by piece."""
+    for j, piece in enumerate(_pieces(land)):
+        width = piece.shape[-1]
+        piece[...] = x[:, j * width:(j + 1) * width].astype(piece.dtype)
+    plgpu.commit_smem()
+    for j, piece in enumerate(_pieces(land)):
+        width = piece.shape[-1]
+        plgpu.copy_smem_to_gmem(piece, dst.at[:, pl.ds(j * width, width)])
+
+
+def _decay(G_row, G_col):
+    """exp(G_i - G_j) on i >= j, else 0 (masked to -inf before exp)."""
+    sq = (CHUNK, CHUNK)
+    diff = _by_row(G_row, sq) - _by_col(G_col, sq)
+    return jnp.exp(jnp.where(_iota(sq, 0) >= _iota(sq, 1), diff, -jnp.inf))
+
+
+def _strict_A(S, b_row, decay):
+    """A = beta_i S_ij exp(G_i - G_j) strictly below the diagonal, else 0."""
+    sq = (CHUNK, CHUNK)
+    return jnp.where(_iota(sq, 0) > _iota(sq, 1), _by_row(b_row, sq) * S * decay, 0.0)
+
+
+def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref, aqk_ref,
+                  aliased, k_s, kb_s, vb_s, g_row_s, g_col_s, b_row_s, bar, *, group, scale, parts):
+    """One chunk per CTA (`chunks_per_cta=1`)."""
+    (land_q, land_k, land_v), (q_s, score_stages), (inv_bufs, wy_stages) = aliased
+    c, h = lax.axis_index("c"), lax.axis_index("h")
+    hk = lax.div(h, group)
+    start, length = start_ref[c], len_ref[c]
+    G_last = G_ref[h, c, CHUNK - 1]  # padding rows have g = 0: the last real token's cumulative decay
+    rows = pl.ds(start, CHUNK)
+    _land(q_ref.at[rows, hk], land_q, bar)
+    _land(k_ref.at[rows, hk], land_k, bar)
+    _land(v_ref.at[rows, h], land_v, bar)
+    # row and column views of one vector need separate SMEM copies (layouts are inferred per ref)
+    plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_row_s, bar)
+    plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_col_s, bar)
+    plgpu.copy_gmem_to_smem(beta_ref.at[h, c], b_row_s, bar)
+    plgpu.barrier_wait(bar)
+
+    head_k, head_v = k_s.shape[-1], vb_s.shape[-1]
+    G_row, b_row = plgpu.load(g_row_s, layout=_ROWS), plgpu.load(b_row_s, layout=_ROWS)
+    gamma = jnp.exp(G_row)
+
+    k = _tokens(land_k, length)
+    _store_parts(k_s, k, parts)
+    _store_parts(kb_s, k * _by_row(b_row * gamma, k.shape), parts)
+    v = _tokens(land_v, length)
+    _store_parts(vb_s, v * _by_row(b_row, v.shape), parts)
+    q = _tokens(land_q, length)
+    plgpu.commit_smem()  # also a warpgroup barrier: the landing tiles are dead from here on
+    _stage_out(score_stages, k * _by_row(jnp.exp(G_last - G_row), k.shape), kd_ref.at[h, c])
+    _store_parts(q_s, q, parts)
+    plgpu.commit_smem()
+
+    sq = (CHUNK, CHUNK)
+    k_terms = tuple(k_s.at[p] for p in range(parts))
+    k_t = tuple(t.T for t in k_terms)
+    qk, S = _dots((tuple(q_s.at[p] for p in range(parts)), k_t, sq), (k_terms, k_t, sq))
+    decay = _decay(G_row, plgpu.load(g_col_s, layout=_COLS))
+    _stage_out(score_stages, scale * qk * decay, aqk_ref.at[h, c])
+    _stage_out(score_stages, scale * q * _by_row(gamma, q.shape), qg_ref.at[h, c])
+
+    A = _strict_A(S, b_row, decay)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the score stages share their bytes with the inverse's
+    T = _inverse(A, *inv_bufs)
+    w, u = _dots((T, tuple(kb_s.at[p] for p in range(parts)), (CHUNK, head_k)),
+                 (T, tuple(vb_s.at[p] for p in range(parts)), (CHUNK, head_v)))
+    _stage_out(wy_stages, w, w_ref.at[h, c])
+    _stage_out(wy_stages, u, u_ref.at[h, c])
+    # the CTA may exit once its stores have read SMEM (as CUTLASS epilogues do): the writes finish before the
+    # kernel counts as done
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _pipelined_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref,
+                      aqk_ref, land_q, land_k, land_v, vb_s, aliased, g_row_s, g_col_s, b_row_s, bar, *, group, scale,
+                      per_cta, t_from_aqk_stage):
+    """`per_cta` consecutive chunks of one value head per CTA (`chunks_per_cta` > 1, 16-bit I/O): the next chunk's
+    loads are issued once this chunk's landing tiles are consumed, and run under its scores, inverse and W, U."""
+    (k_s, q_s), (kb_s, t_buf, p_buf, aqk_s) = aliased
+    cb, h = lax.axis_index("c"), lax.axis_index("h")
+    hk = lax.div(h, group)
+    first = cb * per_cta
+    end = jnp.minimum(first + per_cta, G_ref.shape[1])
+    io_dtype = vb_s.dtype
+    head_k, head_v = k_s.shape[-1], vb_s.shape[-1]
+    sq = (CHUNK, CHUNK)
+
+    def issue(c):
+        rows = pl.ds(start_ref[c], CHUNK)
+        _land(q_ref.at[rows, hk], land_q, bar)
+        _land(k_ref.at[rows, hk], land_k, bar)
+        _land(v_ref.at[rows, h], land_v, bar)
+        plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_row_s, bar)
+        plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_col_s, bar)
+        plgpu.copy_gmem_to_smem(beta_ref.at[h, c], b_row_s, bar)
+
+    issue(first)
+
+    @pl.loop(0, per_cta)
+    def _chunk(n):
+        c = first + n
+
+        @pl.when(c < end)
+        def _body():
+            plgpu.barrier_wait(bar)
+            length = len_ref[c]
+            G_last = G_ref[h, c, CHUNK - 1]
+            G_row, b_row = plgpu.load(g_row_s, layout=_ROWS), plgpu.load(b_row_s, layout=_ROWS)
+            G_col = plgpu.load(g_col_s, layout=_COLS)
+            gamma = jnp.exp(G_row)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's W, U have left kb_s (under k_s), vb_s
+            k = _tokens(land_k, length)
+            k_s.at[0][...] = k.astype(io_dtype)
+            kb = (k * _by_row(b_row * gamma, k.shape)).astype(io_dtype)  # held until k_s is dead (kb_s aliases it)
+            v = _tokens(land_v, length)
+            vb_s.at[0][...] = (v * _by_row(b_row, v.shape)).astype(io_dtype)
+            q = _tokens(land_q, length)
+            q_s.at[0][...] = q.astype(io_dtype)
+            _store_in_place(land_k, k * _by_row(jnp.exp(G_last - G_row), k.shape), kd_ref.at[h, c])  # KD
+            _store_in_place(land_q, scale * q * _by_row(gamma, q.shape), qg_ref.at[h, c])  # QG
+
+            k_t = (k_s.at[0].T,)
+            qk, S = _dots(((q_s.at[0],), k_t, sq), ((k_s.at[0],), k_t, sq))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # KD and QG have left the landing tiles
+
+            @pl.when(c + 1 < end)
+            def _prefetch():
+                issue(c + 1)
+
+            decay = _decay(G_row, G_col)
+            aqk_s.at[0][...] = (scale * qk * decay).astype(io_dtype)
+            kb_s.at[0][...] = kb
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(aqk_s.at[0], aqk_ref.at[h, c])
+            A = _strict_A(S, b_row, decay)
+            if t_from_aqk_stage:  # T's single term for W, U lands where AQK is staged
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                T = _inverse(A, t_buf, p_buf, aqk_s)
+            else:
+                T = _inverse(A, t_buf, p_buf)
+            w, u = _dots((T, (kb_s.at[0],), (CHUNK, head_k)), (T, (vb_s.at[0],), (CHUNK, head_v)))
+            # W and U leave through their right-hand sides' tiles, which the finished wgmmas no longer read
+            kb_s.at[0][...] = w.astype(io_dtype)
+            vb_s.at[0][...] = u.astype(io_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(kb_s.at[0], w_ref.at[h, c])
+            plgpu.copy_smem_to_gmem(vb_s.at[0], u_ref.at[h, c])
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _interpret_params(interpret):
+    if interpret is True:
+        return plgpu.InterpretGPUParams()
+    return interpret or None
+
+
+def _io_dtype(k, v):
+    io_dtype = jnp.promote_types(k.dtype, v.dtype)
+    return jnp.dtype(_F32) if io_dtype.itemsize >= 4 else io_dtype
+
+
+def _num_sms():
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0) or 0) or 132
+    except RuntimeError:
+        return 132
+
+
+def default_tuning(io_dtype, num_chunks, num_v_heads):
+    """The options `gdn_intra` takes when not given (module docstring, "Tuning").
+
+    fp32 I/O: the precise path ("split" inverse, one chunk per CTA). 16-bit: the fp16 inverse and the most chunks
+    per CTA (8, 4, 2) that still leave work for every CTA slot of the GPU (two per SM). Swizzled landing tiles.
+    """
+    if io_dtype.itemsize >= 4:
+        return dict(inverse="split", chunks_per_cta=1, landing="swizzled")
+    slots = 2 * _num_sms()
+    per_cta = next((n for n in (8, 4, 2) if -(-num_chunks // n) * num_v_heads >= slots), 1)
+    return dict(inverse="f16", chunks_per_cta=per_cta, landing="swizzled")
+
+
+def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, interpret=False, **tuning):
+    """W, U, KD, QG and AQK of every chunk (what `_intra_kernel_v2` writes), on Mosaic GPU; ValueError naming the
+    reason when `supports` declines the call.
+
+    chunk_start, chunk_len  # i32[NC] from `jaxckpt.plan.layout.chunk_layout` (a row's chunks restart at its start)
+    q, k                    # [T, H, K]
+    v                       # [T, HV, V]
+    beta                    # [T, HV]
+    G                       # fp32 [HV, NC, C]: chunk-local inclusive cumsum of the log decay (`_cumsum_kernel`)
+    `group` = HV // H, `scale` a Python number. `interpret`: True (or an `InterpretGPUParams`) runs Mosaic GPU's
+    interpreter on CPU. `tuning` (`TUNING_KEYS`, module docstring): inverse ("split" or "f16"), chunks_per_cta
+    (a positive int) and landing ("rows" or "swizzled"); each left out takes `default_tuning`'s value.
+
+    Returns (w [HV, NC, C, K], u [HV, NC, C, V], kd [HV, NC, C, K], qg [HV, NC, C, K], aqk [HV, NC, C, C]), all in
+    the I/O dtype (promote(k, v); fp32 if that is 32 bits or wider), padding rows zero.
+    """
+    reason = supports(q, k, v, beta, G, chunk=chunk, interpret=bool(interpret), **tuning)
+    if reason is not None:
+        raise ValueError(reason)
+    num_heads, head_k = q.shape[1:]
+    num_v_heads, head_v = v.shape[1:]
+    if num_v_heads != group * num_heads:
+        raise ValueError(f"group: expected HV // H = {num_v_heads // num_heads}, got {group}")
+    num_chunks = G.shape[1]
+    io_dtype = _io_dtype(k, v)
+    tuning = {**default_tuning(io_dtype, num_chunks, num_v_heads), **tuning}
+    per_cta = tuning["chunks_per_cta"]
+    q, k, v = (x.astype(io_dtype) for x in (q, k, v))
+    # wgmma operands: the input dtype when 16-bit, else bf16 (hi, lo) splits
+    op_dtype = jnp.bfloat16 if io_dtype == _F32 else io_dtype
+    parts = 2 if io_dtype == _F32 else 1
+    # the inverse's operands: (hi, lo) terms of op_dtype, or one fp16 term
+    inv_dtype, inv_parts = (op_dtype, 2) if tuning["inverse"] == "split" else (jnp.float16, 1)
+
+    # beta chunk-major with padding rows 0: a [T, HV] column is strided, which TMA cannot read
+    pos = jnp.arange(chunk, dtype=jnp.int32)
+    token = jnp.clip(chunk_start[:, None] + pos, 0, beta.shape[0] - 1)                   # i32[NC, C]
+    beta_c = jnp.where((pos < chunk_len[:, None])[..., None], beta[token].astype(_F32), 0.0)  # [NC, C, HV]
+    beta_c = beta_c.transpose(2, 0, 1)                                                  # [HV, NC, C]
+
+    chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), io_dtype)
+    vec = plgpu.SMEM((chunk,), _F32)
+    operand = lambda width: _swizzled((parts, chunk, width), op_dtype)
+    inv_buf = lambda: _swizzled((inv_parts, chunk, chunk), inv_dtype)
+    if tuning["landing"] == "rows":
+        landing = [plgpu.SMEM((chunk, d), io_dtype) for d in (head_k, head_k, head_v)]
+    else:  # 128-byte column pieces, swizzled as TMA writes them (no tiling: chunk starts need not be 8-aligned)
+        width = 128 // io_dtype.itemsize
+        landing = [plgpu.SMEM((d // width, chunk, width), io_dtype, transforms=(plgpu.SwizzleTransform(128),))
+                   for d in (head_k, head_k, head_v)]
+    boxes = sum(1 if len(buf.shape) == 2 else buf.shape[0] for buf in landing)
+    if per_cta == 1:
+        stages = lambda *widths: {d: _swizzled((chunk, d), io_dtype) for d in widths}  # one per distinct width
+        # the split inverse leaves T's (hi, lo) in its own operand buffer; the fp16 one rounds T to op_dtype apart
+        inv_bufs = (inv_buf(), inv_buf()) + (() if inv_parts == 2 else (_swizzled((1, chunk, chunk), op_dtype),))
+        # disjoint lifetimes: the landing tiles until they are read; then q's operand and the score outputs'
+        # staging; then the inverse's operands and the W, U staging
+        aliased = plgpu.RefUnion(landing, [operand(head_k), stages(chunk, head_k)], [inv_bufs, stages(head_k, head_v)])
+        body = functools.partial(_intra_kernel, group=group, scale=float(scale), parts=parts)
+        scratch = [aliased, operand(head_k), operand(head_k), operand(head_v)]
+    else:
+        # the landing tiles and vb_s live through a whole chunk; k_s and q_s until the scores, then kb_s (written
+        # after them), the inverse's operands and AQK's staging tile
+        aliased = plgpu.RefUnion([operand(head_k), operand(head_k)],
+                                 [operand(head_k), inv_buf(), inv_buf(), _swizzled((1, chunk, chunk), io_dtype)])
+        body = functools.partial(_pipelined_kernel, group=group, scale=float(scale), per_cta=per_cta,
+                                 t_from_aqk_stage=inv_parts == 1)
+        scratch = [*landing, operand(head_v), aliased]
+    kernel = plgpu.kernel(
+        body,
+        out_type=(chunk_array(head_k), chunk_array(head_v), chunk_array(head_k), chunk_array(head_k),
+                  chunk_array(chunk)),
+        scratch_types=[*scratch, vec, vec, vec, plgpu.Barrier(num_arrivals=boxes + 3)],
+        grid=(-(-num_chunks // per_cta), num_v_heads), grid_names=("c", "h"), interpret=_interpret_params(interpret),
+        kernel_name="gdn_intra_mosaic_gpu",
+    )
+    return kernel(chunk_start, chunk_len, q, k, v, beta_c, G)

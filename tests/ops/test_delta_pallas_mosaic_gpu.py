@@ -1,0 +1,222 @@
+"""The Mosaic GPU state pass of GDN and KDA (`pallas_mosaic_gpu_delta`), run on CPU in Mosaic GPU's interpreter (its
+cumsum and intra kernels in the Pallas HLO interpreter), against the float64 token-by-token references and the Pallas
+Triton pipeline; checkpoints leave outputs and final states bitwise unchanged; NaN in padding tokens leaks nowhere;
+the interpreter's race detector finds no unordered SMEM access; unsupported calls name their reason.
+
+The interpreter's wgmma multiplies the 16-bit SMEM tiles in fp32, so the hi + lo products are exact here: these tests
+check the algorithm, layouts, copies, masks and checkpoint positions, not the tensor-core rounding nor how the GPU's
+TMA treats a tile copy at a row offset off the 8-row grid (the interpreter copies every row; the GPU tests in
+tests/gpu/test_ops_mosaic_gpu.py check both). bf16 inputs are held to the shared vectors' bf16 class against float64
+and to AGREE_TOL against the Triton pipeline (the same intermediates; only the output's last-bit rounding may differ).
+"""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxckpt.ops.common import api as common_api
+from jaxckpt.ops.gdn import api as gdn_api
+from jaxckpt.ops.gdn import pallas_mosaic_gpu as gdn_mosaic
+from jaxckpt.ops.gdn import pallas_triton as gdn_triton
+from jaxckpt.ops.gdn import reference as gdn_reference
+from jaxckpt.ops.kda import pallas_mosaic_gpu as kda_mosaic
+from jaxckpt.ops.kda import pallas_triton as kda_triton
+from jaxckpt.ops.kda import reference as kda_reference
+
+pytestmark = pytest.mark.interpret
+
+BF16_TOL = 6e-3  # tests/vectors/loader.py's "bf16" class (rel-RMS)
+AGREE_TOL = {"o": 2e-4, "final_state": 1e-5, "checkpoint_states": 1e-5}
+
+# rows of lengths 0, 1, 36, 0, 83 and 10 padding tokens (K = V = 64: one V block). Row 2: checkpoints at 1 and
+# len - 1 in its only chunk; row 4: two in chunk 0 (1, 63), then at the chunk boundary 64 (chunk position 0: the
+# carried state itself), 65 and len - 1 = 82 in chunk 1; then two padded CSR entries
+CU_SEQLENS = np.array([0, 0, 1, 37, 37, 120], np.int32)
+NUM_TOKENS = 130
+CHECKPOINT_CU = np.array([0, 0, 0, 2, 2, 7], np.int32)
+CHECKPOINT_OFFSETS = np.array([1, 35, 1, 63, 64, 65, 82, 0, 0], np.int32)
+ROWS_WITH_STATE = (0, 2, 4)
+HEAD_DIM = 64
+
+
+def rel_rms(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
+
+
+def make_case(rng, *, per_channel, layout):
+    """bf16 q, k, v (num_heads 1, num_v_heads 2), fp32 gates; initial states on some rows; the gate options."""
+    T, HV, D = NUM_TOKENS, 2, HEAD_DIM
+    g_shape = (T, HV, D) if per_channel else (T, HV)
+    inputs = dict(q=rng.normal(size=(T, 1, D)), k=rng.normal(size=(T, 1, D)), v=rng.normal(size=(T, HV, D)),
+                  g=-rng.exponential(0.3, size=g_shape) - np.where(rng.random(g_shape) < 0.05, 4.0, 0.0),
+                  beta=rng.uniform(0.05, 0.95, size=(T, HV)))
+    inputs = {name: x.astype(ml_dtypes.bfloat16 if name in "qkv" else np.float32) for name, x in inputs.items()}
+    gate = {}
+    if per_channel:  # Kimi-Linear's bounded gate on raw inputs
+        inputs["g"] = (3.0 * rng.normal(size=g_shape)).astype(np.float32)
+        gate = dict(A_log=rng.uniform(0.5, 1.5, size=HV).astype(np.float32),
+                    dt_bias=rng.normal(size=(HV, D)).astype(np.float32), lower_bound=-5.0)
+    num_rows = CU_SEQLENS.size - 1
+    state = rng.normal(size=(num_rows, HV, D, D)).astype(np.float32)
+    state[[n for n in range(num_rows) if n not in ROWS_WITH_STATE]] = 0.0
+    options = dict(initial_state=state, cu_seqlens=CU_SEQLENS, checkpoint_cu=CHECKPOINT_CU,
+                   checkpoint_offsets=CHECKPOINT_OFFSETS, state_layout=layout, use_qk_l2norm=True, **gate)
+    return inputs, options
+
+
+def poisoned(inputs):
+    """The inputs with NaN in every padding token (past cu_seqlens[-1]): a kernel must never read them unmasked."""
+    out = {}
+    for name, x in inputs.items():
+        x = np.array(x)
+        x[CU_SEQLENS[-1]:] = np.nan
+        out[name] = x
+    return out
+
+
+def run(op, inputs, options, interpret=True, **extra):
+    arrays = {name: jnp.asarray(x) for name, x in inputs.items()}
+    options = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in {**options, **extra}.items()}
+    return [np.asarray(x.astype(jnp.float32)) for x in op(**arrays, **options, interpret=interpret)]
+
+
+def check(actual, reference, triton):
+    padding = slice(CU_SEQLENS[-1], None)
+    num_real = CHECKPOINT_CU[-1]
+    for name, a, r, t in zip(("o", "final_state", "checkpoint_states"), actual, reference, triton):
+        assert a.shape == r.shape, name
+        assert np.isfinite(a).all(), name
+        assert rel_rms(a, r) <= BF16_TOL, (name, rel_rms(a, r))
+        assert rel_rms(a, t) <= AGREE_TOL[name], (name, rel_rms(a, t))
+    assert not actual[0][padding].any() and not actual[2][num_real:].any()
+
+
+@pytest.fixture(scope="module")
+def gdn_case():
+    # with the interpreter's race detector: every SMEM / TMA / wgmma access ordered by barriers and fences
+    inputs, options = make_case(np.random.default_rng(71), per_channel=False, layout="kv")
+    outputs = run(gdn_mosaic.gated_delta_rule, poisoned(inputs), options,
+                  interpret=plgpu.InterpretGPUParams(detect_races=True))
+    return inputs, options, outputs, interpret_pallas_call.get_races().races_found
+
+
+def test_gdn_matches_reference_and_triton(gdn_case):
+    inputs, options, actual, races_found = gdn_case
+    assert not races_found
+    reference = gdn_reference.gated_delta_rule(**inputs, **options)
+    triton = run(gdn_triton.gated_delta_rule, poisoned(inputs), options, fuse_output=True)
+    check(actual, reference, triton)
+
+
+def test_gdn_checkpoints_leave_outputs_bitwise_unchanged(gdn_case):
+    inputs, options, with_checkpoints, _ = gdn_case
+    plain = {name: x for name, x in options.items() if not name.startswith("checkpoint")}
+    without = run(gdn_mosaic.gated_delta_rule, poisoned(inputs), plain)
+    np.testing.assert_array_equal(with_checkpoints[0], without[0])
+    np.testing.assert_array_equal(with_checkpoints[1], without[1])
+    assert without[2].shape == (0, 2, HEAD_DIM, HEAD_DIM)
+
+
+def test_gdn_with_the_mosaic_gpu_intra_pass():
+    # the whole pipeline on wgmma: its w / u carry the intra kernel's own rounding (bf16 right-hand sides, split
+    # inverse), so it meets the bf16 class against float64 and stays near the Triton pipeline
+    inputs, options = make_case(np.random.default_rng(79), per_channel=False, layout="vk")
+    options["initial_state"] = options["initial_state"].swapaxes(-1, -2).copy()
+    actual = run(gdn_mosaic.gated_delta_rule, poisoned(inputs), options, intra="mosaic_gpu")
+    reference = gdn_reference.gated_delta_rule(**inputs, **options)
+    triton = run(gdn_triton.gated_delta_rule, poisoned(inputs), options, fuse_output=True)
+    padding = slice(CU_SEQLENS[-1], None)
+    for name, a, r, t in zip(("o", "final_state", "checkpoint_states"), actual, reference, triton):
+        assert np.isfinite(a).all(), name
+        assert rel_rms(a, r) <= BF16_TOL, (name, rel_rms(a, r))
+        assert rel_rms(a, t) <= BF16_TOL / 2, (name, rel_rms(a, t))
+    assert not actual[0][padding].any() and not actual[2][CHECKPOINT_CU[-1]:].any()
+
+
+@pytest.mark.parametrize("checkpoints", [True, False])
+def test_gdn_rows_off_the_tile_grid(checkpoints):
+    # the H200 failure's pattern at K = V = 64: rows of 100, 1 and 83 tokens (starts 0, 100, 101: off the 8-row TMA
+    # tile grid; partial last chunks; a 1-token row in between), NaN padding, checkpoints (100: 1, 64, 99; 83: 64,
+    # 82) or none, against the Triton pipeline and float64, token by token. The interpreter copies misaligned TMA
+    # tiles whole, so it could not show the GPU dropping their rows (`pallas_mosaic_gpu_delta` docstring, "TMA
+    # addresses"); it checks that the chunk-major O and checkpoint keys reach every token of these rows
+    rng = np.random.default_rng(89)
+    T, D = 194, HEAD_DIM
+    cu = np.array([0, 100, 101, 184], np.int32)
+    inputs = dict(q=rng.normal(size=(T, 1, D)), k=rng.normal(size=(T, 1, D)), v=rng.normal(size=(T, 1, D)),
+                  g=-rng.exponential(0.3, size=(T, 1)), beta=rng.uniform(0.05, 0.95, size=(T, 1)))
+    inputs = {name: x.astype(ml_dtypes.bfloat16 if name in "qkv" else np.float32) for name, x in inputs.items()}
+    options = dict(cu_seqlens=cu, use_qk_l2norm=True)
+    if checkpoints:
+        options.update(checkpoint_cu=np.array([0, 3, 3, 5], np.int32),
+                       checkpoint_offsets=np.array([1, 64, 99, 64, 82], np.int32))
+    nan_padded = {name: np.concatenate([x[:cu[-1]], np.full_like(x[cu[-1]:], np.nan)]) for name, x in inputs.items()}
+    actual = run(gdn_mosaic.gated_delta_rule, nan_padded, options)
+    triton = run(gdn_triton.gated_delta_rule, nan_padded, options, fuse_output=True)
+    reference = gdn_reference.gated_delta_rule(**inputs, **options)
+    names = ("o", "final_state", "checkpoint_states") if checkpoints else ("o", "final_state")
+    for name, a, r, t in zip(names, actual, reference, triton):
+        assert np.isfinite(a).all(), name
+        assert rel_rms(a, r) <= BF16_TOL and rel_rms(a, t) <= AGREE_TOL[name], (name, rel_rms(a, r), rel_rms(a, t))
+    # every token of every row, not only in the aggregate: a dropped row would be a few percent of the RMS
+    token_error = np.abs(actual[0][:cu[-1]] - triton[0][:cu[-1]]).max(axis=(1, 2))
+    bad = np.flatnonzero(token_error > 0.02 * np.abs(triton[0][:cu[-1]]).max())
+    assert not bad.size, f"tokens {bad.tolist()} differ from the Triton pipeline (rows start at {cu[:-1].tolist()})"
+    assert not actual[0][cu[-1]:].any()
+    assert actual[2].shape == ((5, 1, D, D) if checkpoints else (0, 1, D, D))
+
+
+def test_kda_vk_matches_reference_and_triton():
+    inputs, options = make_case(np.random.default_rng(73), per_channel=True, layout="vk")
+    options["initial_state"] = options["initial_state"].swapaxes(-1, -2).copy()
+    actual = run(kda_mosaic.kda, poisoned(inputs), options)
+    reference = kda_reference.kda(**inputs, **options)
+    triton = run(kda_triton.kda, poisoned(inputs), options, fuse_output=True)
+    check(actual, reference, triton)
+
+
+def test_gdn_float16_two_value_blocks_one_row():
+    # V = 128: two V blocks per value head (the second at columns 64..127); one row without an initial state whose
+    # last chunk is partial, checkpoints in both chunks
+    rng = np.random.default_rng(83)
+    T, D, V = 100, HEAD_DIM, 128
+    inputs = dict(q=rng.normal(size=(T, 1, D)), k=rng.normal(size=(T, 1, D)), v=rng.normal(size=(T, 1, V)),
+                  g=-rng.exponential(0.3, size=(T, 1)), beta=rng.uniform(0.05, 0.95, size=(T, 1)))
+    inputs = {name: x.astype(np.float16 if name in "qkv" else np.float32) for name, x in inputs.items()}
+    options = dict(checkpoint_cu=np.array([0, 3], np.int32), checkpoint_offsets=np.array([5, 64, 99], np.int32),
+                   use_qk_l2norm=True)
+    actual = run(gdn_mosaic.gated_delta_rule, inputs, options)
+    reference = gdn_reference.gated_delta_rule(**inputs, **options)
+    triton = run(gdn_triton.gated_delta_rule, inputs, options, fuse_output=True)
+    for name, a, r, t in zip(("o", "final_state", "checkpoint_states"), actual, reference, triton):
+        assert rel_rms(a, r) <= BF16_TOL and rel_rms(a, t) <= AGREE_TOL[name], name
+
+
+def test_supports_names_the_reason():
+    rng = np.random.default_rng(79)
+    inputs, _ = make_case(rng, per_channel=False, layout="kv")
+    inputs = {name: jnp.asarray(x) for name, x in inputs.items()}
+    assert gdn_mosaic.supports(**inputs, interpret=True) is None
+    assert gdn_mosaic.supports(**inputs) is not None  # no Hopper GPU here
+    assert "chunk_size" in gdn_mosaic.supports(**inputs, chunk_size=32, interpret=True)
+    assert "unknown" in gdn_mosaic.supports(**inputs, interpret=True, block_v=64)
+    assert "intra" in gdn_mosaic.supports(**inputs, interpret=True, intra="pallas_mosaic_gpu")
+    assert "kda_intra" in gdn_mosaic.supports(**inputs, interpret=True, kda_intra="elementwise")
+    fp32 = {name: x.astype(jnp.float32) for name, x in inputs.items()}
+    assert "16-bit" in gdn_mosaic.supports(**fp32, interpret=True)
+    narrow = dict(inputs, v=jnp.zeros((NUM_TOKENS, 2, 32), jnp.bfloat16))
+    assert gdn_mosaic.supports(**narrow, interpret=True).startswith("V:")
+    assert kda_mosaic.supports(**inputs, interpret=True).startswith("g:")
+    with pytest.raises(ValueError, match="16-bit"):
+        gdn_mosaic.gated_delta_rule(**fp32, interpret=True)
+    assert kda_mosaic.supports(**dict(inputs, g=jnp.zeros((NUM_TOKENS, 2, 64))), interpret=True,
+                               intra="mosaic_gpu").startswith("tuning: intra")
+    # named in the registry, but not chosen automatically until measured on the GPU
+    call = dict(inputs, chunk_size=64)
+    assert "pallas_mosaic_gpu" in gdn_api.REGISTRY
+    choice = common_api.choose_implementation(gdn_api.REGISTRY, None, **call)
+    assert "pallas_mosaic_gpu" not in {choice.name, *dict(choice.declined)}

@@ -1,0 +1,176 @@
+"""The Mosaic GPU GDN intra-chunk kernel (`pallas_mosaic_gpu_intra.gdn_intra`) under Mosaic GPU's CPU interpreter,
+against the Triton-lowered `_intra_kernel_v2` (interpret mode) and an independent float64 numpy computation of the
+definitions, output by output; fresh random inputs each run (the seed is in every failure message).
+
+Rows of lengths 0, 1, 36, 0, 83 then 10 padding tokens holding NaN: chunks start at unaligned tokens, the last one
+is partial and its TMA window runs past T (zero-filled), and the NaNs check that nothing past a chunk's length
+leaks into its outputs. The interpreter computes bf16 x bf16 wgmmas exactly in fp32, as the tensor cores do.
+Every value of every tuning option (`inverse`, `chunks_per_cta`, `landing`) runs in some case, the first version's
+combination included. The interpreter sees logical arrays: the swizzled landing's addressing only lowers here and
+is checked on the GPU (`tests/gpu/test_mosaic_gpu_intra.py`).
+
+The kernel runs with the interpreter's race detector, which tracks TMA copies and RefUnion alias groups (it flags,
+e.g., a score output's TMA store still reading a tile the inverse overwrites) but not wgmma operand reads (no
+vector clocks on wgmma in jax 0.11.2), so a missing `commit_smem` before a wgmma is not caught here.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+# no public accessor in jax 0.11.2 for the race detector's verdict or for resetting after a failed kernel
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races, reset_gpu_interpret_mode_state
+
+from bench.mosaic_gpu_intra_quick import OUTPUTS, gate_cumsum, layout, make_inputs, triton_intra
+from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mgi
+
+pytestmark = pytest.mark.interpret
+
+CHUNK = 64
+CU_SEQLENS = [0, 0, 1, 37, 37, 120]
+NUM_TOKENS = 130
+# rel-RMS bounds, 3-6x the measured worst. fp32: the split-bf16 products land at ~5e-6 (the Triton kernel's IEEE dots
+# ~1e-7). bf16: ~2.5e-3 (Triton ~1.7e-3): outputs are rounded to bf16, and W, U use bf16 right-hand sides, as FLA;
+# fp16 the same at 3 more mantissa bits.
+TOL = {jnp.float32: 3e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+
+
+def rel_rms(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
+
+
+def float64_intra(chunk_start, chunk_len, q, k, v, beta, g, *, group, scale):
+    """The definitions, chunk by chunk in float64: (w, u, kd, qg, aqk) as [HV, NC, C, ...]."""
+    q, k, v, beta, g = (np.asarray(x, np.float64) for x in (q, k, v, beta, g))
+    num_v_heads, head_k, head_v = v.shape[1], k.shape[-1], v.shape[-1]
+    widths = dict(w=head_k, u=head_v, kd=head_k, qg=head_k, aqk=CHUNK)
+    out = {name: np.zeros((num_v_heads, len(chunk_start), CHUNK, width)) for name, width in widths.items()}
+    i = np.arange(CHUNK)
+    lower = i[:, None] >= i[None, :]
+    for c, (start, length) in enumerate(zip(np.asarray(chunk_start), np.asarray(chunk_len))):
+        rows = slice(start, start + length)
+        for h in range(num_v_heads):
+            kc, qc, vc = np.zeros((CHUNK, head_k)), np.zeros((CHUNK, head_k)), np.zeros((CHUNK, head_v))
+            bc, gc = np.zeros(CHUNK), np.zeros(CHUNK)
+            kc[:length], qc[:length], vc[:length] = k[rows, h // group], q[rows, h // group], v[rows, h]
+            bc[:length], gc[:length] = beta[rows, h], g[rows, h]
+            G = np.cumsum(gc)
+            decay = np.where(lower, np.exp(np.where(lower, G[:, None] - G[None, :], -np.inf)), 0.0)
+            A = np.where(i[:, None] > i[None, :], bc[:, None] * (kc @ kc.T) * decay, 0.0)
+            T = np.linalg.inv(np.eye(CHUNK) + A)
+            out["w"][h, c] = T @ (bc[:, None] * np.exp(G)[:, None] * kc)
+            out["u"][h, c] = T @ (bc[:, None] * vc)
+            out["kd"][h, c] = kc * np.exp(G[-1] - G)[:, None]
+            out["qg"][h, c] = scale * qc * np.exp(G)[:, None]
+            out["aqk"][h, c] = scale * (qc @ kc.T) * decay
+    return [out[name] for name in OUTPUTS]
+
+
+def run_both(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQLENS, num_tokens=NUM_TOKENS,
+             interpret=True, **tuning):
+    """(Mosaic GPU outputs, Triton outputs, float64 outputs, chunk_len) for fresh inputs, padding tokens NaN."""
+    rng = np.random.default_rng(seed)
+    x = make_inputs(rng, num_tokens, num_heads, num_heads * group, head_k, head_v)
+    for name in ("q", "k", "v"):
+        x[name][cu_seqlens[-1]:] = np.nan  # padding tokens: never read unmasked
+    q, k, v = (jnp.asarray(x[name], dtype) for name in ("q", "k", "v"))
+    beta, g = jnp.asarray(x["beta"]), jnp.asarray(x["g"])
+    chunk_start, chunk_len = layout(cu_seqlens, num_tokens)
+    G = gate_cumsum(chunk_start, chunk_len, g, interpret=interpret)
+    options = dict(group=group, scale=head_k ** -0.5)
+    mosaic_interpret = plgpu.InterpretGPUParams(detect_races=True) if interpret else False
+    mosaic = mgi.gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, chunk=CHUNK, interpret=mosaic_interpret,
+                           **options, **tuning)
+    if interpret:
+        assert not get_races().races_found, f"seed {seed}: SMEM race (printed above)"
+    triton = triton_intra(chunk_start, chunk_len, q, k, v, beta, G, interpret=interpret, **options)
+    exact = float64_intra(chunk_start, chunk_len, *(np.asarray(a, np.float64) for a in (q, k, v)), x["beta"],
+                          x["g"], **options)
+    return [np.asarray(o) for o in mosaic], [np.asarray(o) for o in triton], exact, np.asarray(chunk_len)
+
+
+def check_outputs(seed, dtype, mosaic, triton, exact, chunk_len, tol):
+    padding = np.arange(CHUNK)[None, :] >= chunk_len[:, None]  # [NC, C]
+    for name, m, t, e in zip(OUTPUTS, mosaic, triton, exact):
+        where = f"{name}, {jnp.dtype(dtype).name}, seed {seed}"
+        assert m.shape == t.shape == e.shape and m.dtype == t.dtype, where
+        assert np.isfinite(m).all(), where
+        assert not m[:, padding].any(), where  # padding rows are zero, as the Triton kernel writes them
+        assert rel_rms(m, e) <= tol, (where, "vs float64", rel_rms(m, e))
+        assert rel_rms(m, t) <= tol, (where, "vs triton", rel_rms(m, t))
+    aqk = mosaic[OUTPUTS.index("aqk")].astype(np.float32)
+    assert not np.triu(aqk, 1).any()  # causal: nothing above the diagonal
+
+
+@pytest.fixture(autouse=True)
+def fresh_interpreter():
+    """A kernel that raised leaves the interpreter's shared state behind; later kernels would trip over it."""
+    yield
+    reset_gpu_interpret_mode_state()
+
+
+@pytest.mark.parametrize("dtype, num_heads, group, head_k, head_v, tuning", [
+    (jnp.float32, 1, 2, 64, 64, {}),
+    (jnp.bfloat16, 2, 1, 64, 64, {}),
+    (jnp.bfloat16, 1, 2, 64, 128, dict(inverse="split", chunks_per_cta=1, landing="rows")),  # the first version
+    (jnp.float16, 1, 1, 128, 64, {}),
+    # several chunks per CTA: 4 chunks in blocks of 3 (the second block runs 1 of its 3 iterations)
+    (jnp.bfloat16, 1, 2, 128, 128, dict(inverse="f16", chunks_per_cta=3)),
+    (jnp.float16, 2, 1, 64, 64, dict(inverse="split", chunks_per_cta=2, landing="rows")),
+])
+def test_matches_triton_and_float64(dtype, num_heads, group, head_k, head_v, tuning):
+    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+    check_outputs(seed, dtype, *run_both(seed, dtype, num_heads, group, head_k, head_v, **tuning), tol=TOL[dtype])
+
+
+def test_supports_reasons():
+    q = jnp.zeros((8, 2, 64), jnp.bfloat16)
+    v = jnp.zeros((8, 4, 64), jnp.bfloat16)
+    beta, G = jnp.zeros((8, 4)), jnp.zeros((4, 1, CHUNK))
+    assert mgi.supports(q, q, v, beta, G, interpret=True) is None
+    assert "chunk" in mgi.supports(q, q, v, beta, G, chunk=32, interpret=True)
+    assert "K:" in mgi.supports(q[..., :32], q[..., :32], v, beta, G, interpret=True)
+    assert "V:" in mgi.supports(q, q, jnp.zeros((8, 4, 256)), beta, G, interpret=True)
+    assert "multiple" in mgi.supports(q, q, v[:, :3], beta[:, :3], G[:3], interpret=True)
+    assert "dtype" in mgi.supports(q.astype(jnp.int8), q, v, beta, G, interpret=True)
+    assert "tuning" in mgi.supports(q, q, v, beta, G, interpret=True, block_v=64)
+    assert "inverse" in mgi.supports(q, q, v, beta, G, interpret=True, inverse="tf32")
+    assert "inverse" in mgi.supports(q, q.astype(jnp.float32), v, beta, G, interpret=True, inverse="f16")
+    assert "chunks_per_cta" in mgi.supports(q, q, v, beta, G, interpret=True, chunks_per_cta=0)
+    assert "chunks_per_cta" in mgi.supports(q, q, v.astype(jnp.float32), beta, G, interpret=True, chunks_per_cta=2)
+    assert "landing" in mgi.supports(q, q, v, beta, G, interpret=True, landing="tiled")
+    assert mgi.supports(q, q, v, beta, G, interpret=True, inverse="split", chunks_per_cta=4, landing="rows") is None
+    if jax.default_backend() == "cpu":
+        assert "backend" in mgi.supports(q, q, v, beta, G)
+
+
+@pytest.mark.parametrize("dtype, head_k, head_v, tuning, two_per_sm", [
+    (jnp.bfloat16, 128, 128, dict(inverse="split", chunks_per_cta=1, landing="rows"), True),
+    (jnp.bfloat16, 128, 128, dict(inverse="f16", chunks_per_cta=4, landing="swizzled"), True),
+    (jnp.float16, 64, 128, dict(inverse="split", chunks_per_cta=2, landing="rows"), True),
+    (jnp.float32, 128, 128, {}, False),
+])
+def test_lowers_for_sm90(monkeypatch, dtype, head_k, head_v, tuning, two_per_sm):
+    """The whole Pallas -> Mosaic GPU lowering for an H100/H200 runs on CPU: it checks what the interpreter does
+    not (SMEM within 227 KB, TMA sources contiguous, conflict-free register <-> SMEM transfers). Only PTX and ptxas
+    need the GPU machine. `two_per_sm`: the SMEM per CTA leaves room for a second CTA on the SM (228 KB, 1 KB
+    reserved per CTA), which the tuning options' speed rests on."""
+    from jax import export
+    # private: the kernel's SMEM bytes, as Mosaic GPU sizes them for the launch
+    from jax.experimental.mosaic.gpu import core as mosaic_core
+
+    # the backend check is about running the kernel; lowering for sm_90 needs no GPU
+    monkeypatch.setattr(mgi, "supports", lambda *args, **kwargs: None)
+    sizes = []
+    tree_size = mosaic_core._smem_tree_size
+    monkeypatch.setattr(mosaic_core, "_smem_tree_size", lambda tree: sizes.append(tree_size(tree)) or sizes[-1])
+    num_tokens, num_heads, num_chunks = 1000, 2, 17
+    arg = jax.ShapeDtypeStruct
+    args = (arg((num_chunks,), jnp.int32), arg((num_chunks,), jnp.int32), arg((num_tokens, num_heads, head_k), dtype),
+            arg((num_tokens, num_heads, head_k), dtype), arg((num_tokens, 2 * num_heads, head_v), dtype),
+            arg((num_tokens, 2 * num_heads), dtype), arg((2 * num_heads, num_chunks, CHUNK), jnp.float32))
+    fn = jax.jit(lambda *a: mgi.gdn_intra(*a, chunk=CHUNK, group=2, scale=0.1, **tuning))
+    assert "gdn_intra_mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    assert (2 * (max(sizes) + 1024) <= 228 * 1024) == two_per_sm, max(sizes)
