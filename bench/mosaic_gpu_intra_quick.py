@@ -157,7 +157,7 @@ def main():
         reference = triton(*inputs)
         passes = [("triton", triton, None)]
         for name in variants:
-            tuning = VARIANTS[name] or default_tuning(jnp.promote_types(k.dtype, v.dtype), G.shape[1], args.heads)
+            tuning = VARIANTS[name] or default_tuning(jnp.promote_types(k.dtype, v.dtype))
             passes.append((f"{name} {tuning}", jax.jit(functools.partial(gdn_intra, chunk=64, **options,
                                                                          **VARIANTS[name])), name))
         for label, fn, name in passes:

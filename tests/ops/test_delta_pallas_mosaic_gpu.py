@@ -121,14 +121,18 @@ def test_gdn_checkpoints_leave_outputs_bitwise_unchanged(gdn_case):
     assert without[2].shape == (0, 2, HEAD_DIM, HEAD_DIM)
 
 
-def test_gdn_with_the_mosaic_gpu_intra_pass():
-    # the whole pipeline on wgmma: its w / u carry the intra kernel's own rounding (bf16 right-hand sides, split
-    # inverse), so it meets the bf16 class against float64 and stays near the Triton pipeline
-    inputs, options = make_case(np.random.default_rng(79), per_channel=False, layout="vk")
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_with_the_mosaic_gpu_intra_pass(per_channel):
+    # the whole pipeline on wgmma: its w / u carry the intra kernels' own rounding (bf16 right-hand sides, their
+    # inverses), so it meets the bf16 class against float64 and stays near the Triton pipeline
+    inputs, options = make_case(np.random.default_rng(79 + per_channel), per_channel=per_channel, layout="vk")
     options["initial_state"] = options["initial_state"].swapaxes(-1, -2).copy()
-    actual = run(gdn_mosaic.gated_delta_rule, poisoned(inputs), options, intra="mosaic_gpu")
-    reference = gdn_reference.gated_delta_rule(**inputs, **options)
-    triton = run(gdn_triton.gated_delta_rule, poisoned(inputs), options, fuse_output=True)
+    mosaic, triton_op, reference_op = ((kda_mosaic.kda, kda_triton.kda, kda_reference.kda) if per_channel else
+                                       (gdn_mosaic.gated_delta_rule, gdn_triton.gated_delta_rule,
+                                        gdn_reference.gated_delta_rule))
+    actual = run(mosaic, poisoned(inputs), options, intra="mosaic_gpu")
+    reference = reference_op(**inputs, **options)
+    triton = run(triton_op, poisoned(inputs), options, fuse_output=True)
     padding = slice(CU_SEQLENS[-1], None)
     for name, a, r, t in zip(("o", "final_state", "checkpoint_states"), actual, reference, triton):
         assert np.isfinite(a).all(), name
@@ -213,8 +217,6 @@ def test_supports_names_the_reason():
     assert kda_mosaic.supports(**inputs, interpret=True).startswith("g:")
     with pytest.raises(ValueError, match="16-bit"):
         gdn_mosaic.gated_delta_rule(**fp32, interpret=True)
-    assert kda_mosaic.supports(**dict(inputs, g=jnp.zeros((NUM_TOKENS, 2, 64))), interpret=True,
-                               intra="mosaic_gpu").startswith("tuning: intra")
     # named in the registry, but not chosen automatically until measured on the GPU
     call = dict(inputs, chunk_size=64)
     assert "pallas_mosaic_gpu" in gdn_api.REGISTRY

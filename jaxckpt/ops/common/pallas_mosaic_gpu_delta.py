@@ -74,6 +74,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mosaic_intra
+from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mosaic_kda_intra
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
 
 CHUNK = 64
@@ -116,8 +117,6 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
     for name, x in (("g", g), ("beta", beta)):
         if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
             return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
-    if tuning.get("intra") == "mosaic_gpu" and g.ndim != 2:
-        return "tuning: intra='mosaic_gpu' is written for GDN (scalar decay) only; KDA takes intra='pallas_triton'"
     intra_tuning = {key: value for key, value in tuning.items() if key in _INTRA_TUNING}
     reason = triton_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **intra_tuning)
     if reason is not None:
@@ -376,8 +375,8 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     cu_seqlens          # i32[N + 1]; None = one row over all T tokens
     checkpoint_cu       # i32[N + 1] with checkpoint_offsets i32[M]; both None = no checkpoints
     `intra`: the kernels producing w, u, kd, qg, aqk ("pallas_triton": `pallas_triton_delta.intra_v2`, tuned by
-    intra_num_warps, num_stages and, for KDA, kda_intra, kda_diag, kda_block_k as there; "mosaic_gpu", GDN only:
-    `pallas_mosaic_gpu_intra.gdn_intra`, wgmma, same layouts). `interpret`: True runs
+    intra_num_warps, num_stages and, for KDA, kda_intra, kda_diag, kda_block_k as there; "mosaic_gpu": wgmma
+    kernels with the same layouts, `pallas_mosaic_gpu_intra.gdn_intra` / `pallas_mosaic_gpu_kda_intra.kda_intra`). `interpret`: True runs
     every kernel on CPU; a `plgpu.InterpretGPUParams` (e.g. detect_races=True) does too, with those settings for the
     Mosaic GPU interpreter.
 
@@ -393,9 +392,10 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
                              checkpoint_offsets=checkpoint_offsets, chunk_size=chunk_size, interpret=triton_interpret,
                              intra_num_warps=intra_num_warps, num_stages=num_stages)
     if intra == "mosaic_gpu":
-        w, u, kd, qg, aqk = mosaic_intra.gdn_intra(p.lay.chunk_start, p.lay.chunk_len, p.q, p.k, p.v, p.beta, p.G,
-                                                   chunk=chunk_size, group=p.v.shape[1] // p.q.shape[1],
-                                                   scale=p.scale, interpret=interpret)
+        intra_kernel = mosaic_kda_intra.kda_intra if per_channel_decay else mosaic_intra.gdn_intra
+        w, u, kd, qg, aqk = intra_kernel(p.lay.chunk_start, p.lay.chunk_len, p.q, p.k, p.v, p.beta, p.G,
+                                         chunk=chunk_size, group=p.v.shape[1] // p.q.shape[1], scale=p.scale,
+                                         interpret=interpret)
     else:
         w, u, kd, qg, aqk = triton_delta.intra_v2(p, per_channel_decay=per_channel_decay, chunk_size=chunk_size,
                                                   interpret=triton_interpret, intra_num_warps=intra_num_warps,

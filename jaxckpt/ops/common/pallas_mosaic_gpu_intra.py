@@ -51,8 +51,8 @@ it; each keeps the first form selectable ("split", 1, "rows") for A/B runs (`ben
   Range: fp16 ends at 65504 and goes subnormal below 6e-5 (absolute error <= 2^-25). A's entries are
   beta_i (k_i . k_j) exp(G_i - G_j), at most 1 for l2-normalized keys (GDN's) and beta <= 1, and the emulation's
   max |T| is 1 (the diagonal); un-normalized keys with large beta can overflow it, and "split" is the way back.
-- `chunks_per_cta` (n; 1 is the kernel's first form, one chunk per CTA; default: the most of 8, 4, 2 that still
-  gives each of the GPU's CTA slots (two per SM) work, else 1; more than 1 needs 16-bit I/O). A CTA walks n
+- `chunks_per_cta` (n; 1, the default, is the kernel's first form, one chunk per CTA; more than 1 needs 16-bit
+  I/O). Measured slower on the H200 (below), kept selectable for the record of why. A CTA walks n
   consecutive chunks of one value head and issues the next chunk's loads once the current chunk's landing tiles
   are consumed (right after the scores), so they arrive under the inverse and W, U; each chunk's stores drain
   under the next chunk's work (a chunk waits only for the previous stores to have read SMEM). The landing tiles
@@ -70,6 +70,14 @@ it; each keeps the first form selectable ("split", 1, "rows") for A/B runs (`ben
   column piece of a tile as its own TMA box with the TMA's 128-byte swizzle, which spreads those 8 rows over all
   banks; no tiling is involved, so unaligned chunk starts stay legal. The price: K * itemsize / 128 boxes per tile
   instead of one (same bytes) and a register concatenation.
+
+Measured after the options (H200, bf16, T 8192, H 16, K = V = 128; device time of the kernel,
+`bench/results/mosaic_gpu_intra_h200_variants.log`; the Triton `_intra_kernel_v2` 0.296 ms): first form ("split",
+1, "rows") 0.149 ms; "f16" + "swizzled", one chunk per CTA 0.103 ms (the default); 4 or 8 chunks per CTA 0.124 /
+0.124 ms, "rows" landing with 4 per CTA 0.128 ms. The fp16 inverse and the conflict-free landing pay; several
+chunks per CTA do not (the extra SMEM and the in-place staging cost more than the overlap the second CTA per SM
+already gives). Every variant had the same error against the Triton kernel (max-rel and rel-RMS of each output
+identical to three digits: W 2.4e-3, U 2.8e-3 rel-RMS, from the bf16 right-hand sides).
 
 Not done: folding the XLA beta prep (2 us of the 150 at T 8192) into the kernel needs a [64, HV] TMA box of the
 [T, HV] beta (HV * itemsize >= 16 bytes, not every head count) and a column read out of SMEM; later, if the kernel
@@ -92,6 +100,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
 HEAD_DIMS = (64, 128)
@@ -122,7 +132,7 @@ def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str
     for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
         if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
             return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
-    wide = _io_dtype(k, v).itemsize >= 4
+    wide = tiles.io_dtype(k, v).itemsize >= 4
     if tuning.get("inverse", INVERSES[0]) not in INVERSES:
         return f"inverse: must be one of {INVERSES}, got {tuning['inverse']!r}"
     if wide and tuning.get("inverse") == "f16":
@@ -143,66 +153,9 @@ def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str
     return None
 
 
-def _swizzled(shape, dtype):
-    """SMEM tiled (8, swizzle / itemsize) and swizzled: as wgmma operands need, and conflict-free register stores."""
-    dtype = jnp.dtype(dtype)
-    swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
-                                                plgpu.SwizzleTransform(swizzle)))
-
-
-def _iota(shape, dim):
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_WG)
-
-
-def _by_row(vec, shape):
-    return lax.broadcast_in_dim(vec, shape, [0])
-
-
-def _by_col(vec, shape):
-    return lax.broadcast_in_dim(vec, shape, [1])
-
-
-def _split(x, dtype, parts):
-    """x (fp32) as `parts` terms of `dtype`: (x,) rounded, or (hi, lo) with hi + lo = x to ~2^-17 relative."""
-    hi = x.astype(dtype)
-    return (hi,) if parts == 1 else (hi, (x - hi.astype(_F32)).astype(dtype))
-
-
-def _store_parts(buf, x, parts):
-    for p, part in enumerate(_split(x, buf.dtype, parts)):
-        buf.at[p][...] = part
-
-
-def _dots(*products):
-    """For each (lhs, rhs, shape): sum of lhs[i] @ rhs[j] over i + j < 2 (hi.hi, hi.lo, lo.hi of split operands).
-
-    wgmma with fp32 accumulation; lhs and rhs terms are SMEM refs (the interpreter takes no register operands).
-    Independent products are all issued before the first wait. Reading an accumulator waits for the wgmmas; the
-    optimization barrier keeps later arithmetic from being scheduled before that wait (jla saw stale, silently
-    zero results without it on sm_90 with jax 0.11.2).
-    """
-    def body(*accs):
-        for acc, (lhs, rhs, _) in zip(accs, products):
-            for i, a in enumerate(lhs):
-                for j, b in enumerate(rhs):
-                    if i + j < 2:
-                        plgpu.wgmma(acc, a, b)
-        return tuple(acc[...] for acc in accs)
-
-    return lax.optimization_barrier(pl.run_scoped(body, *(plgpu.ACC(shape, _F32) for *_, shape in products)))
-
-
 def _dot(lhs, rhs, shape):
-    (out,) = _dots((lhs, rhs, shape))
+    (out,) = tiles.dots((lhs, rhs, shape))
     return out
-
-
-def _half_pairs(s):
-    """[C, C] mask of the pairs (i, j) in one 2s-row block with i in its lower half and j in its upper half."""
-    rows, cols = _iota((CHUNK, CHUNK), 0), _iota((CHUNK, CHUNK), 1)
-    same = lax.div(rows, 2 * s) == lax.div(cols, 2 * s)
-    return same & (lax.rem(rows, 2 * s) >= s) & (lax.rem(cols, 2 * s) < s)
 
 
 def _inverse(A, t_buf, p_buf, lhs_buf=None):
@@ -215,20 +168,20 @@ def _inverse(A, t_buf, p_buf, lhs_buf=None):
     sq = (CHUNK, CHUNK)
     parts = t_buf.shape[0]
     lhs_buf = t_buf if lhs_buf is None else lhs_buf
-    eye = jnp.where(_iota(sq, 0) == _iota(sq, 1), 1.0, 0.0)
-    T = eye - jnp.where(_half_pairs(1), A, 0.0)
+    eye = jnp.where(tiles.iota(sq, 0) == tiles.iota(sq, 1), 1.0, 0.0)
+    T = eye - jnp.where(tiles.half_pairs(1), A, 0.0)
     t_terms, p_terms = tuple(t_buf.at[p] for p in range(parts)), tuple(p_buf.at[p] for p in range(parts))
     s = 2
     while s < CHUNK:
-        _store_parts(t_buf, T, parts)
-        _store_parts(p_buf, jnp.where(_half_pairs(s), A, 0.0), parts)
+        tiles.store_parts(t_buf, T, parts)
+        tiles.store_parts(p_buf, jnp.where(tiles.half_pairs(s), A, 0.0), parts)
         plgpu.commit_smem()
         prod = _dot(p_terms, t_terms, sq)  # returns after the wgmmas finished reading p_buf
-        _store_parts(p_buf, prod, parts)
+        tiles.store_parts(p_buf, prod, parts)
         plgpu.commit_smem()
         T = T - _dot(t_terms, p_terms, sq)
         s *= 2
-    _store_parts(lhs_buf, T, lhs_buf.shape[0])
+    tiles.store_parts(lhs_buf, T, lhs_buf.shape[0])
     plgpu.commit_smem()
     return tuple(lhs_buf.at[p] for p in range(lhs_buf.shape[0]))
 
@@ -260,7 +213,7 @@ def _land(src, land, bar):
 def _tokens(land, length):
     """The landing tile's rows as fp32 [C, N], rows past the chunk's length zero (`where`: NaN padding stays out)."""
     x = jnp.concatenate([plgpu.load(piece, layout=_WG) for piece in _pieces(land)], axis=1).astype(_F32)
-    return jnp.where(_iota(x.shape, 0) < length, x, 0.0)
+    return jnp.where(tiles.iota(x.shape, 0) < length, x, 0.0)
 
 
 def _store_in_place(land, x, dst):
@@ -277,14 +230,14 @@ def _store_in_place(land, x, dst):
 def _decay(G_row, G_col):
     """exp(G_i - G_j) on i >= j, else 0 (masked to -inf before exp)."""
     sq = (CHUNK, CHUNK)
-    diff = _by_row(G_row, sq) - _by_col(G_col, sq)
-    return jnp.exp(jnp.where(_iota(sq, 0) >= _iota(sq, 1), diff, -jnp.inf))
+    diff = tiles.by_row(G_row, sq) - tiles.by_col(G_col, sq)
+    return jnp.exp(jnp.where(tiles.iota(sq, 0) >= tiles.iota(sq, 1), diff, -jnp.inf))
 
 
 def _strict_A(S, b_row, decay):
     """A = beta_i S_ij exp(G_i - G_j) strictly below the diagonal, else 0."""
     sq = (CHUNK, CHUNK)
-    return jnp.where(_iota(sq, 0) > _iota(sq, 1), _by_row(b_row, sq) * S * decay, 0.0)
+    return jnp.where(tiles.iota(sq, 0) > tiles.iota(sq, 1), tiles.by_row(b_row, sq) * S * decay, 0.0)
 
 
 def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref, aqk_ref,
@@ -310,28 +263,28 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_re
     gamma = jnp.exp(G_row)
 
     k = _tokens(land_k, length)
-    _store_parts(k_s, k, parts)
-    _store_parts(kb_s, k * _by_row(b_row * gamma, k.shape), parts)
+    tiles.store_parts(k_s, k, parts)
+    tiles.store_parts(kb_s, k * tiles.by_row(b_row * gamma, k.shape), parts)
     v = _tokens(land_v, length)
-    _store_parts(vb_s, v * _by_row(b_row, v.shape), parts)
+    tiles.store_parts(vb_s, v * tiles.by_row(b_row, v.shape), parts)
     q = _tokens(land_q, length)
     plgpu.commit_smem()  # also a warpgroup barrier: the landing tiles are dead from here on
-    _stage_out(score_stages, k * _by_row(jnp.exp(G_last - G_row), k.shape), kd_ref.at[h, c])
-    _store_parts(q_s, q, parts)
+    _stage_out(score_stages, k * tiles.by_row(jnp.exp(G_last - G_row), k.shape), kd_ref.at[h, c])
+    tiles.store_parts(q_s, q, parts)
     plgpu.commit_smem()
 
     sq = (CHUNK, CHUNK)
     k_terms = tuple(k_s.at[p] for p in range(parts))
     k_t = tuple(t.T for t in k_terms)
-    qk, S = _dots((tuple(q_s.at[p] for p in range(parts)), k_t, sq), (k_terms, k_t, sq))
+    qk, S = tiles.dots((tuple(q_s.at[p] for p in range(parts)), k_t, sq), (k_terms, k_t, sq))
     decay = _decay(G_row, plgpu.load(g_col_s, layout=_COLS))
     _stage_out(score_stages, scale * qk * decay, aqk_ref.at[h, c])
-    _stage_out(score_stages, scale * q * _by_row(gamma, q.shape), qg_ref.at[h, c])
+    _stage_out(score_stages, scale * q * tiles.by_row(gamma, q.shape), qg_ref.at[h, c])
 
     A = _strict_A(S, b_row, decay)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the score stages share their bytes with the inverse's
     T = _inverse(A, *inv_bufs)
-    w, u = _dots((T, tuple(kb_s.at[p] for p in range(parts)), (CHUNK, head_k)),
+    w, u = tiles.dots((T, tuple(kb_s.at[p] for p in range(parts)), (CHUNK, head_k)),
                  (T, tuple(vb_s.at[p] for p in range(parts)), (CHUNK, head_v)))
     _stage_out(wy_stages, w, w_ref.at[h, c])
     _stage_out(wy_stages, u, u_ref.at[h, c])
@@ -380,16 +333,16 @@ def _pipelined_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's W, U have left kb_s (under k_s), vb_s
             k = _tokens(land_k, length)
             k_s.at[0][...] = k.astype(io_dtype)
-            kb = (k * _by_row(b_row * gamma, k.shape)).astype(io_dtype)  # held until k_s is dead (kb_s aliases it)
+            kb = (k * tiles.by_row(b_row * gamma, k.shape)).astype(io_dtype)  # held until k_s is dead (kb_s aliases it)
             v = _tokens(land_v, length)
-            vb_s.at[0][...] = (v * _by_row(b_row, v.shape)).astype(io_dtype)
+            vb_s.at[0][...] = (v * tiles.by_row(b_row, v.shape)).astype(io_dtype)
             q = _tokens(land_q, length)
             q_s.at[0][...] = q.astype(io_dtype)
-            _store_in_place(land_k, k * _by_row(jnp.exp(G_last - G_row), k.shape), kd_ref.at[h, c])  # KD
-            _store_in_place(land_q, scale * q * _by_row(gamma, q.shape), qg_ref.at[h, c])  # QG
+            _store_in_place(land_k, k * tiles.by_row(jnp.exp(G_last - G_row), k.shape), kd_ref.at[h, c])  # KD
+            _store_in_place(land_q, scale * q * tiles.by_row(gamma, q.shape), qg_ref.at[h, c])  # QG
 
             k_t = (k_s.at[0].T,)
-            qk, S = _dots(((q_s.at[0],), k_t, sq), ((k_s.at[0],), k_t, sq))
+            qk, S = tiles.dots(((q_s.at[0],), k_t, sq), ((k_s.at[0],), k_t, sq))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # KD and QG have left the landing tiles
 
             @pl.when(c + 1 < end)
@@ -407,7 +360,7 @@ def _pipelined_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
                 T = _inverse(A, t_buf, p_buf, aqk_s)
             else:
                 T = _inverse(A, t_buf, p_buf)
-            w, u = _dots((T, (kb_s.at[0],), (CHUNK, head_k)), (T, (vb_s.at[0],), (CHUNK, head_v)))
+            w, u = tiles.dots((T, (kb_s.at[0],), (CHUNK, head_k)), (T, (vb_s.at[0],), (CHUNK, head_v)))
             # W and U leave through their right-hand sides' tiles, which the finished wgmmas no longer read
             kb_s.at[0][...] = w.astype(io_dtype)
             vb_s.at[0][...] = u.astype(io_dtype)
@@ -418,35 +371,11 @@ def _pipelined_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _interpret_params(interpret):
-    if interpret is True:
-        return plgpu.InterpretGPUParams()
-    return interpret or None
-
-
-def _io_dtype(k, v):
-    io_dtype = jnp.promote_types(k.dtype, v.dtype)
-    return jnp.dtype(_F32) if io_dtype.itemsize >= 4 else io_dtype
-
-
-def _num_sms():
-    try:
-        return int(getattr(jax.devices()[0], "core_count", 0) or 0) or 132
-    except RuntimeError:
-        return 132
-
-
-def default_tuning(io_dtype, num_chunks, num_v_heads):
-    """The options `gdn_intra` takes when not given (module docstring, "Tuning").
-
-    fp32 I/O: the precise path ("split" inverse, one chunk per CTA). 16-bit: the fp16 inverse and the most chunks
-    per CTA (8, 4, 2) that still leave work for every CTA slot of the GPU (two per SM). Swizzled landing tiles.
-    """
-    if io_dtype.itemsize >= 4:
-        return dict(inverse="split", chunks_per_cta=1, landing="swizzled")
-    slots = 2 * _num_sms()
-    per_cta = next((n for n in (8, 4, 2) if -(-num_chunks // n) * num_v_heads >= slots), 1)
-    return dict(inverse="f16", chunks_per_cta=per_cta, landing="swizzled")
+def default_tuning(io_dtype):
+    """The options `gdn_intra` takes when not given (module docstring, "Tuning"): the fastest measured on the H200
+    (`bench/results/mosaic_gpu_intra_h200_variants.log`): one chunk per CTA, swizzled landing tiles, the fp16
+    inverse for 16-bit I/O; fp32 I/O takes the precise "split" inverse."""
+    return dict(inverse="split" if io_dtype.itemsize >= 4 else "f16", chunks_per_cta=1, landing="swizzled")
 
 
 def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, interpret=False, **tuning):
@@ -473,8 +402,8 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     if num_v_heads != group * num_heads:
         raise ValueError(f"group: expected HV // H = {num_v_heads // num_heads}, got {group}")
     num_chunks = G.shape[1]
-    io_dtype = _io_dtype(k, v)
-    tuning = {**default_tuning(io_dtype, num_chunks, num_v_heads), **tuning}
+    io_dtype = tiles.io_dtype(k, v)
+    tuning = {**default_tuning(io_dtype), **tuning}
     per_cta = tuning["chunks_per_cta"]
     q, k, v = (x.astype(io_dtype) for x in (q, k, v))
     # wgmma operands: the input dtype when 16-bit, else bf16 (hi, lo) splits
@@ -491,8 +420,8 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
 
     chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), io_dtype)
     vec = plgpu.SMEM((chunk,), _F32)
-    operand = lambda width: _swizzled((parts, chunk, width), op_dtype)
-    inv_buf = lambda: _swizzled((inv_parts, chunk, chunk), inv_dtype)
+    operand = lambda width: tiles.swizzled((parts, chunk, width), op_dtype)
+    inv_buf = lambda: tiles.swizzled((inv_parts, chunk, chunk), inv_dtype)
     if tuning["landing"] == "rows":
         landing = [plgpu.SMEM((chunk, d), io_dtype) for d in (head_k, head_k, head_v)]
     else:  # 128-byte column pieces, swizzled as TMA writes them (no tiling: chunk starts need not be 8-aligned)
@@ -501,9 +430,9 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
                    for d in (head_k, head_k, head_v)]
     boxes = sum(1 if len(buf.shape) == 2 else buf.shape[0] for buf in landing)
     if per_cta == 1:
-        stages = lambda *widths: {d: _swizzled((chunk, d), io_dtype) for d in widths}  # one per distinct width
+        stages = lambda *widths: {d: tiles.swizzled((chunk, d), io_dtype) for d in widths}  # one per distinct width
         # the split inverse leaves T's (hi, lo) in its own operand buffer; the fp16 one rounds T to op_dtype apart
-        inv_bufs = (inv_buf(), inv_buf()) + (() if inv_parts == 2 else (_swizzled((1, chunk, chunk), op_dtype),))
+        inv_bufs = (inv_buf(), inv_buf()) + (() if inv_parts == 2 else (tiles.swizzled((1, chunk, chunk), op_dtype),))
         # disjoint lifetimes: the landing tiles until they are read; then q's operand and the score outputs'
         # staging; then the inverse's operands and the W, U staging
         aliased = plgpu.RefUnion(landing, [operand(head_k), stages(chunk, head_k)], [inv_bufs, stages(head_k, head_v)])
@@ -513,7 +442,7 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
         # the landing tiles and vb_s live through a whole chunk; k_s and q_s until the scores, then kb_s (written
         # after them), the inverse's operands and AQK's staging tile
         aliased = plgpu.RefUnion([operand(head_k), operand(head_k)],
-                                 [operand(head_k), inv_buf(), inv_buf(), _swizzled((1, chunk, chunk), io_dtype)])
+                                 [operand(head_k), inv_buf(), inv_buf(), tiles.swizzled((1, chunk, chunk), io_dtype)])
         body = functools.partial(_pipelined_kernel, group=group, scale=float(scale), per_cta=per_cta,
                                  t_from_aqk_stage=inv_parts == 1)
         scratch = [*landing, operand(head_v), aliased]
@@ -522,7 +451,7 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
         out_type=(chunk_array(head_k), chunk_array(head_v), chunk_array(head_k), chunk_array(head_k),
                   chunk_array(chunk)),
         scratch_types=[*scratch, vec, vec, vec, plgpu.Barrier(num_arrivals=boxes + 3)],
-        grid=(-(-num_chunks // per_cta), num_v_heads), grid_names=("c", "h"), interpret=_interpret_params(interpret),
+        grid=(-(-num_chunks // per_cta), num_v_heads), grid_names=("c", "h"), interpret=tiles.interpret_params(interpret),
         kernel_name="gdn_intra_mosaic_gpu",
     )
     return kernel(chunk_start, chunk_len, q, k, v, beta_c, G)

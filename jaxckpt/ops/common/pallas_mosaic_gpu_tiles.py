@@ -1,0 +1,82 @@
+"""Pieces shared by the Pallas Mosaic GPU intra kernels (`pallas_mosaic_gpu_intra` for GDN,
+`pallas_mosaic_gpu_kda_intra` for KDA): SMEM tile layouts, WGMMA-layout index helpers, hi + lo operand splits and
+the wgmma product sums. Written against jax 0.11.2."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
+F32 = jnp.float32
+WG = plgpu.Layout.WGMMA
+
+
+def swizzled(shape, dtype):
+    """SMEM tiled (8, swizzle / itemsize) and swizzled: as wgmma operands need, and conflict-free register stores."""
+    dtype = jnp.dtype(dtype)
+    swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
+
+
+def iota(shape, dim):
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WG)
+
+
+def by_row(vec, shape):
+    return lax.broadcast_in_dim(vec, shape, [0])
+
+
+def by_col(vec, shape):
+    return lax.broadcast_in_dim(vec, shape, [1])
+
+
+def split(x, dtype, parts):
+    """x (fp32) as `parts` terms of `dtype`: (x,) rounded, or (hi, lo) with hi + lo = x to ~2^-17 relative."""
+    hi = x.astype(dtype)
+    return (hi,) if parts == 1 else (hi, (x - hi.astype(F32)).astype(dtype))
+
+
+def store_parts(buf, x, parts):
+    for p, part in enumerate(split(x, buf.dtype, parts)):
+        buf.at[p][...] = part
+
+
+def dots(*products):
+    """For each (lhs, rhs, shape): sum of lhs[i] @ rhs[j] over i + j < 2 (hi.hi, hi.lo, lo.hi of split operands).
+
+    wgmma with fp32 accumulation; lhs and rhs terms are SMEM refs (the interpreter takes no register operands).
+    Independent products are all issued before the first wait. Reading an accumulator waits for the wgmmas; the
+    optimization barrier keeps later arithmetic from being scheduled before that wait (jla saw stale, silently
+    zero results without it on sm_90 with jax 0.11.2).
+    """
+    def body(*accs):
+        for acc, (lhs, rhs, _) in zip(accs, products):
+            for i, a in enumerate(lhs):
+                for j, b in enumerate(rhs):
+                    if i + j < 2:
+                        plgpu.wgmma(acc, a, b)
+        return tuple(acc[...] for acc in accs)
+
+    return lax.optimization_barrier(pl.run_scoped(body, *(plgpu.ACC(shape, F32) for *_, shape in products)))
+
+
+def half_pairs(s):
+    """[C, C] mask of the pairs (i, j) in one 2s-row block with i in its lower half and j in its upper half."""
+    rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
+    same = lax.div(rows, 2 * s) == lax.div(cols, 2 * s)
+    return same & (lax.rem(rows, 2 * s) >= s) & (lax.rem(cols, 2 * s) < s)
+
+
+def interpret_params(interpret):
+    if interpret is True:
+        return plgpu.InterpretGPUParams()
+    return interpret or None
+
+
+def io_dtype(k, v):
+    io_dtype = jnp.promote_types(k.dtype, v.dtype)
+    return jnp.dtype(F32) if io_dtype.itemsize >= 4 else io_dtype

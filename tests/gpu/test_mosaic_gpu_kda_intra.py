@@ -1,0 +1,44 @@
+"""The Mosaic GPU KDA intra-chunk kernel at a real shape on an H100/H200: against the Triton KDA intra launches and
+float64, output by output, with varlen rows (unaligned chunk starts, partial last chunks, the last TMA window past T).
+
+Run on the GPU machine:
+`JAXCKPT_GPU_TESTS=1 JAX_PLATFORMS=cuda python -m pytest -q -s tests/gpu/test_mosaic_gpu_kda_intra.py`.
+"""
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+CU_SEQLENS = [0, 3000, 3001, 8190]  # then 2 padding tokens
+NUM_TOKENS = 8192
+
+
+@pytest.mark.parametrize("strong, score_parts, tol", [
+    (False, 1, 6e-3),  # the bf16 class of the shared vectors
+    (False, 2, 6e-3),
+    (True, 1, 6e-3),   # G far below -88 inside chunks: a naive factorisation would overflow
+])
+def test_real_shape_against_triton_and_float64(strong, score_parts, tol):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mki
+    from tests.ops.test_pallas_mosaic_gpu_kda_intra import OUTPUTS, check_outputs, run_all
+
+    assert jax.default_backend() == "gpu"
+    num_heads, dim = 4, 128
+    q = jnp.zeros((NUM_TOKENS, num_heads, dim), jnp.bfloat16)
+    reason = mki.supports(q, q, q, q[..., 0], jnp.zeros((num_heads, 1, 64, dim)), score_parts=score_parts)
+    if reason is not None:
+        pytest.skip(reason)
+    seed = 20261130
+    mosaic, triton, exact, chunk_len, _ = run_all(seed, jnp.bfloat16, num_heads, 1, dim, dim, cu_seqlens=CU_SEQLENS,
+                                                  num_tokens=NUM_TOKENS, strong=strong, interpret=False,
+                                                  score_parts=score_parts)
+    errors = check_outputs(seed, jnp.bfloat16, mosaic, triton, exact, chunk_len, tol=tol)
+    triton_errors = {name: np.linalg.norm(np.asarray(t, np.float64) - e) / np.linalg.norm(e)
+                     for name, t, e in zip(OUTPUTS, triton, exact)}
+    for name, (vs_exact, vs_triton) in errors.items():
+        print(f"strong {strong} score_parts {score_parts} {name}: rel-RMS vs float64 {vs_exact:.2e} "
+              f"(triton {triton_errors[name]:.2e}), vs triton {vs_triton:.2e}")

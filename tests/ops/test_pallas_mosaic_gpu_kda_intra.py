@@ -1,0 +1,170 @@
+"""The Mosaic GPU KDA intra-chunk kernel (`pallas_mosaic_gpu_kda_intra.kda_intra`) under Mosaic GPU's CPU interpreter,
+against the Triton KDA intra launches (`intra_v2(prepare(...), per_channel_decay=True)`, interpret mode) and an
+independent float64 numpy computation of the definitions, output by output; fresh random inputs each run (the seed
+is in every failure message).
+
+Rows of lengths 0, 1, 36, 0, 83 then 10 padding tokens holding NaN: chunks start at unaligned tokens, the last one
+is partial and its TMA window runs past T (zero-filled), and the NaNs check that nothing past a chunk's length
+leaks into its outputs. The strong-decay case drives G below -88 inside a chunk, where a naive exp(G_i) exp(-G_j)
+factorisation overflows fp32. The interpreter computes 16-bit wgmmas exactly in fp32, as the tensor cores do.
+
+The kernel runs with the interpreter's race detector, which tracks TMA copies and RefUnion alias groups but not
+wgmma operand reads (no vector clocks on wgmma in jax 0.11.2), so a missing `commit_smem` before a wgmma is not
+caught here; `test_lowers_for_sm90` checks what only the real lowering checks (SMEM size, layouts, TMA shapes).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+# no public accessor in jax 0.11.2 for the race detector's verdict or for resetting after a failed kernel
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races, reset_gpu_interpret_mode_state
+
+from bench.mosaic_gpu_kda_intra_quick import OUTPUTS, make_inputs, mosaic_kda_intra, prepared, triton_kda_intra
+from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mki
+
+pytestmark = pytest.mark.interpret
+
+CHUNK = 64
+CU_SEQLENS = [0, 0, 1, 37, 37, 120]
+NUM_TOKENS = 130
+# rel-RMS bounds, 3-5x the measured worst. fp32: split-bf16 products, ~3e-6 (Triton's IEEE dots ~1e-7). bf16:
+# outputs rounded to bf16 (~2e-3 alone), score operands rounded to bf16 (score_parts 1) or split (2).
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
+
+
+def rel_rms(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return np.sqrt(np.sum((actual - expected) ** 2) / max(np.sum(expected ** 2), 1e-300))
+
+
+def float64_intra(chunk_start, chunk_len, q, k, v, beta, g, *, group, scale):
+    """The definitions, chunk by chunk in float64 (per-pair exps, masked before exp): (w, u, kd, qg, aqk)."""
+    num_v_heads, head_k, head_v = v.shape[1], k.shape[-1], v.shape[-1]
+    widths = dict(w=head_k, u=head_v, kd=head_k, qg=head_k, aqk=CHUNK)
+    out = {name: np.zeros((num_v_heads, len(chunk_start), CHUNK, width)) for name, width in widths.items()}
+    i = np.arange(CHUNK)
+    lower = (i[:, None] >= i[None, :])[..., None]  # [C, C, 1]
+    for c, (start, length) in enumerate(zip(np.asarray(chunk_start), np.asarray(chunk_len))):
+        rows = slice(start, start + length)
+        for h in range(num_v_heads):
+            kc, qc, gc = (np.zeros((CHUNK, head_k)) for _ in range(3))
+            vc, bc = np.zeros((CHUNK, head_v)), np.zeros(CHUNK)
+            kc[:length], qc[:length], vc[:length] = k[rows, h // group], q[rows, h // group], v[rows, h]
+            bc[:length], gc[:length] = beta[rows, h], g[rows, h]
+            G = np.cumsum(gc, axis=0)  # [C, K]
+            decay = np.exp(np.where(lower, G[:, None, :] - G[None, :, :], -np.inf))  # [C, C, K], i >= j
+            kk = np.einsum("ic,jc,ijc->ij", kc, kc, decay)
+            A = np.where(i[:, None] > i[None, :], bc[:, None] * kk, 0.0)
+            T = np.linalg.inv(np.eye(CHUNK) + A)
+            out["w"][h, c] = T @ (bc[:, None] * np.exp(G) * kc)
+            out["u"][h, c] = T @ (bc[:, None] * vc)
+            out["kd"][h, c] = kc * np.exp(G[-1] - G)
+            out["qg"][h, c] = scale * qc * np.exp(G)
+            out["aqk"][h, c] = scale * np.einsum("ic,jc,ijc->ij", qc, kc, decay)
+    return [out[name] for name in OUTPUTS]
+
+
+def run_all(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQLENS, num_tokens=NUM_TOKENS,
+            strong=False, interpret=True, **tuning):
+    """(Mosaic GPU outputs, Triton outputs, float64 outputs, chunk_len, G) for fresh inputs, padding tokens NaN."""
+    rng = np.random.default_rng(seed)
+    x = make_inputs(rng, num_tokens, num_heads, num_heads * group, head_k, head_v, strong=strong)
+    for name in ("q", "k", "v"):
+        x[name][cu_seqlens[-1]:] = np.nan  # padding tokens: never read unmasked
+    p = prepared(x, cu_seqlens, dtype, interpret=interpret)
+    inputs = (p.q, p.k, p.v, p.beta, p.G)
+    mosaic_interpret = plgpu.InterpretGPUParams(detect_races=True) if interpret else False
+    mosaic = mosaic_kda_intra(p, *inputs, interpret=mosaic_interpret, **tuning)
+    if interpret:
+        assert not get_races().races_found, f"seed {seed}: SMEM race (printed above)"
+    triton = triton_kda_intra(p, *inputs, interpret=interpret)
+    exact = float64_intra(p.lay.chunk_start, p.lay.chunk_len, *(np.asarray(a, np.float64) for a in (p.q, p.k, p.v)),
+                          x["beta"].astype(np.float64), x["g"].astype(np.float64), group=group, scale=p.scale)
+    return ([np.asarray(o) for o in mosaic], [np.asarray(o) for o in triton], exact, np.asarray(p.lay.chunk_len),
+            np.asarray(p.G))
+
+
+def check_outputs(seed, dtype, mosaic, triton, exact, chunk_len, tol):
+    padding = np.arange(CHUNK)[None, :] >= chunk_len[:, None]  # [NC, C]
+    errors = {}
+    for name, m, t, e in zip(OUTPUTS, mosaic, triton, exact):
+        where = f"{name}, {jnp.dtype(dtype).name}, seed {seed}"
+        assert m.shape == t.shape == e.shape and m.dtype == t.dtype, where
+        assert np.isfinite(m).all(), where
+        assert not m[:, padding].any(), where  # padding rows are zero, as the Triton kernels write them
+        errors[name] = rel_rms(m, e), rel_rms(m, t)
+        assert errors[name][0] <= tol, (where, "vs float64", errors[name][0])
+        assert errors[name][1] <= tol, (where, "vs triton", errors[name][1])
+    aqk = mosaic[OUTPUTS.index("aqk")].astype(np.float32)
+    assert not np.triu(aqk, 1).any()  # causal: nothing above the diagonal
+    return errors
+
+
+@pytest.fixture(autouse=True)
+def fresh_interpreter():
+    """A kernel that raised leaves the interpreter's shared state behind; later kernels would trip over it."""
+    yield
+    reset_gpu_interpret_mode_state()
+
+
+@pytest.mark.parametrize("dtype, num_heads, group, tuning", [
+    (jnp.bfloat16, 2, 1, {}),
+    (jnp.bfloat16, 1, 2, dict(score_parts=2)),
+    (jnp.float32, 1, 2, {}),
+])
+def test_matches_triton_and_float64(dtype, num_heads, group, tuning):
+    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+    outputs = run_all(seed, dtype, num_heads, group, 64, 64, **tuning)
+    check_outputs(seed, dtype, *outputs[:4], tol=TOL[dtype])
+
+
+def test_strong_decays_stay_exact():
+    dtype = jnp.bfloat16
+    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+    *outputs, G = run_all(seed, dtype, 1, 2, 64, 64, strong=True)
+    chunk_len = outputs[3]
+    real = np.arange(CHUNK)[None, :] < chunk_len[:, None]  # [NC, C]
+    # a naive exp(G_i) exp(-G_j) factorisation would overflow fp32 on these chunks
+    assert np.max(-G[:, real]) > 200, f"seed {seed}"
+    check_outputs(seed, dtype, *outputs, tol=TOL[dtype])
+
+
+def test_supports_reasons():
+    q = jnp.zeros((8, 2, 64), jnp.bfloat16)
+    v = jnp.zeros((8, 4, 64), jnp.bfloat16)
+    beta, G = jnp.zeros((8, 4)), jnp.zeros((4, 1, CHUNK, 64))
+    assert mki.supports(q, q, v, beta, G, interpret=True) is None
+    assert "chunk" in mki.supports(q, q, v, beta, G, chunk=32, interpret=True)
+    assert "K:" in mki.supports(q[..., :32], q[..., :32], v, beta, G, interpret=True)
+    assert "V:" in mki.supports(q, q, jnp.zeros((8, 4, 256), jnp.bfloat16), beta, G, interpret=True)
+    assert "multiple" in mki.supports(q, q, v[:, :3], beta[:, :3], G[:3], interpret=True)
+    assert "dtype" in mki.supports(q.astype(jnp.int8), q, v, beta, G, interpret=True)
+    assert "tuning" in mki.supports(q, q, v, beta, G, interpret=True, block_v=64)
+    assert "score_parts" in mki.supports(q, q, v, beta, G, interpret=True, score_parts=3)
+    q32, v32 = jnp.zeros((8, 2, 128)), jnp.zeros((8, 4, 128))
+    assert "SMEM" in mki.supports(q32, q32, v32, beta, G, interpret=True)
+    if jax.default_backend() == "cpu":
+        assert "backend" in mki.supports(q, q, v, beta, G)
+
+
+@pytest.mark.parametrize("dtype, head_k, head_v, tuning", [
+    (jnp.bfloat16, 128, 128, {}),
+    (jnp.bfloat16, 128, 128, dict(score_parts=2)),  # 218 KB of SMEM, the largest that fits
+    (jnp.float32, 64, 128, {}),
+])
+def test_lowers_for_sm90(monkeypatch, dtype, head_k, head_v, tuning):
+    """The whole Pallas -> Mosaic GPU lowering for an H100/H200 runs on CPU: it checks what the interpreter does
+    not (SMEM within 227 KB, TMA sources contiguous, register layouts). Only PTX and ptxas need the GPU machine."""
+    from jax import export
+
+    # the backend check is about running the kernel; lowering for sm_90 needs no GPU
+    monkeypatch.setattr(mki, "supports", lambda *args, **kwargs: None)
+    num_tokens, num_heads, num_chunks = 1000, 2, 17
+    arg = jax.ShapeDtypeStruct
+    args = (arg((num_chunks,), jnp.int32), arg((num_chunks,), jnp.int32), arg((num_tokens, num_heads, head_k), dtype),
+            arg((num_tokens, num_heads, head_k), dtype), arg((num_tokens, 2 * num_heads, head_v), dtype),
+            arg((num_tokens, 2 * num_heads), dtype), arg((2 * num_heads, num_chunks, CHUNK, head_k), jnp.float32))
+    fn = jax.jit(lambda *a: mki.kda_intra(*a, chunk=CHUNK, group=2, scale=0.1, **tuning))
+    assert "kda_intra_mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
