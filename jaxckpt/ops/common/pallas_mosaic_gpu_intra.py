@@ -104,7 +104,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
-HEAD_DIMS = (64, 128)
 TUNING_KEYS = ("inverse", "chunks_per_cta", "landing")
 INVERSES = ("split", "f16")
 LANDINGS = ("rows", "swizzled")
@@ -117,21 +116,10 @@ _COLS = _WG.reduce(0)  # one value per column
 
 def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str | None:
     """None when `gdn_intra` can run the call, else the reason (so the caller can fall back)."""
-    unknown = sorted(set(tuning) - set(TUNING_KEYS))
-    if unknown:
-        return f"tuning: unknown options {unknown}, expected some of {TUNING_KEYS}"
-    if chunk != CHUNK:
-        return f"chunk: must be {CHUNK} (wgmma tiles have 64 rows), got {chunk!r}"
-    if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or beta.ndim != 2 or G.ndim != 3:
-        return "q, k, v, beta, G: expected [T, H, K], [T, H, K], [T, HV, V], [T, HV], [HV, NC, C]"
-    if v.shape[1] % q.shape[1]:
-        return f"v: value heads ({v.shape[1]}) must be a multiple of key heads ({q.shape[1]})"
-    for name, size in (("K", q.shape[-1]), ("V", v.shape[-1])):
-        if size not in HEAD_DIMS:
-            return f"{name}: must be one of {HEAD_DIMS} on this backend, got {size}"
-    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
-        if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-            return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
+    reason = tiles.input_reason(q, k, v, beta, G, chunk=chunk, tuning=tuning, tuning_keys=TUNING_KEYS,
+                                G_shape="HV, NC, C")
+    if reason is not None:
+        return reason
     wide = tiles.io_dtype(k, v).itemsize >= 4
     if tuning.get("inverse", INVERSES[0]) not in INVERSES:
         return f"inverse: must be one of {INVERSES}, got {tuning['inverse']!r}"

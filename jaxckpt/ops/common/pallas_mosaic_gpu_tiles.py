@@ -10,6 +10,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
+HEAD_DIMS = (64, 128)
 F32 = jnp.float32
 WG = plgpu.Layout.WGMMA
 
@@ -80,3 +81,23 @@ def interpret_params(interpret):
 def io_dtype(k, v):
     io_dtype = jnp.promote_types(k.dtype, v.dtype)
     return jnp.dtype(F32) if io_dtype.itemsize >= 4 else io_dtype
+
+
+def input_reason(q, k, v, beta, G, *, chunk, tuning, tuning_keys, G_shape) -> str | None:
+    """The first reason an intra kernel cannot take these inputs (the checks both intra kernels share), else None."""
+    unknown = sorted(set(tuning) - set(tuning_keys))
+    if unknown:
+        return f"tuning: unknown options {unknown}, expected some of {tuning_keys}"
+    if chunk != CHUNK:
+        return f"chunk: must be {CHUNK} (wgmma tiles have 64 rows), got {chunk!r}"
+    if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or beta.ndim != 2 or G.ndim != len(G_shape.split(",")):
+        return f"q, k, v, beta, G: expected [T, H, K], [T, H, K], [T, HV, V], [T, HV], [{G_shape}]"
+    if v.shape[1] % q.shape[1]:
+        return f"v: value heads ({v.shape[1]}) must be a multiple of key heads ({q.shape[1]})"
+    for name, size in (("K", q.shape[-1]), ("V", v.shape[-1])):
+        if size not in HEAD_DIMS:
+            return f"{name}: must be one of {HEAD_DIMS} on this backend, got {size}"
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+            return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
+    return None
