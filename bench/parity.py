@@ -4,10 +4,10 @@
 table) and `<name>_timing.json` / `.md` (Recorder schema) under $OUT, else bench/results. Under 5 minutes on one H200.
 
 Parity: GDN, KDA (K = V = 128, H = 2, HV = 4, varlen rows with 1-token and checkpoint-free rows) and SSD (H = 8,
-P = 64, N = 128, G = 2) through jaxckpt (xla, pallas_triton), torch_bridge (FLA split, FLA KDA intermediate states,
-the Triton SSD at ieee and tf32 dots, the DLPack bridge onto jaxckpt's xla path) against the float64 reference run on
-exactly the bf16-rounded inputs; rel-RMS of the output, the final states and every checkpoint on its own. KDA offsets
-lie on the 64 grid so the native path sees the same checkpoints. A failing path is recorded with its error.
+P = 64, N = 128, G = 2) through jaxckpt (xla, pallas_triton, pallas_mosaic_gpu with either intra pass), torch_bridge
+(FLA split, FLA KDA intermediate states, the Triton SSD at ieee and tf32 dots, the DLPack bridge onto jaxckpt's xla
+path) against the float64 reference run on exactly the bf16-rounded inputs; rel-RMS of the output, the final states
+and every checkpoint on its own. KDA offsets lie on the 64 grid so the native path sees the same checkpoints. A failing path is recorded with its error.
 
 Timing: FLA 0.6.0 plain (final states only), split with one checkpoint per row (the row's last 512-token boundary;
 host planning and gathers included), and KDA with intermediate states, at the anchor shapes (B, T, H) = (1, 8192, 16),
@@ -137,9 +137,12 @@ def parity() -> list[dict]:
                                                                                       jnp.asarray(arrays["beta"])]
         torch_args = dict(q=cuda(arrays["q"], torch.bfloat16), k=cuda(arrays["k"], torch.bfloat16),
                           v=cuda(arrays["v"], torch.bfloat16), g=cuda(arrays["g"]), beta=cuda(arrays["beta"]))
-        for impl in ("xla", "pallas_triton"):
-            attempt(results, op, f"jaxckpt.{impl}",
-                    lambda impl=impl: entry(*jax_args, initial_state=jnp.asarray(h0), implementation=impl, **meta),
+        for impl, options in (("xla", None), ("pallas_triton", None), ("pallas_mosaic_gpu", None),
+                              ("pallas_mosaic_gpu", {"intra": "mosaic_gpu"})):
+            name = f"jaxckpt.{impl}" + ("" if options is None else "@intra=mosaic_gpu")
+            attempt(results, op, name,
+                    lambda impl=impl, options=options: entry(*jax_args, initial_state=jnp.asarray(h0),
+                                                             implementation=impl, kernel_options=options, **meta),
                     expected, ccu, offsets)
         split = fla_prefill.chunk_gated_delta_rule_split if op == "gdn" else fla_prefill.chunk_kda_split
         attempt(results, op, "torch_bridge.fla_split",
