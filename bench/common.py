@@ -7,6 +7,7 @@ p80_ms, n, note}. Peers timed in the same run are rows like any other (implement
 
 from __future__ import annotations
 
+import ast
 import datetime
 import json
 import os
@@ -30,7 +31,10 @@ def implementation_spec(spec: str) -> tuple[str, dict | None]:
     options = {}
     for item in rest.split(","):
         key, value = item.split("=")
-        options[key] = int(value) if value.lstrip("-").isdigit() else value
+        try:
+            options[key] = ast.literal_eval(value)  # numbers, True / False / None
+        except (ValueError, SyntaxError):
+            options[key] = value
     return impl, options
 
 

@@ -217,6 +217,8 @@ def test_supports_names_the_reason():
     assert kda_mosaic.supports(**inputs, interpret=True).startswith("g:")
     with pytest.raises(ValueError, match="16-bit"):
         gdn_mosaic.gated_delta_rule(**fp32, interpret=True)
+    assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu", kda_intra="split").startswith("tuning:")
+    assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu") is None
     # named in the registry, but not chosen automatically until measured on the GPU
     call = dict(inputs, chunk_size=64)
     assert "pallas_mosaic_gpu" in gdn_api.REGISTRY

@@ -152,6 +152,7 @@ def test_supports_names_the_reason():
     assert "unknown" in gdn_pallas.supports(**inputs, interpret=True, num_warp=4)
     assert "version" in gdn_pallas.supports(**inputs, interpret=True, version=3)
     assert "fuse_output" in gdn_pallas.supports(**inputs, interpret=True, version=1, fuse_output=True)
+    assert "checkpoint_pass" in gdn_pallas.supports(**inputs, interpret=True, version=1, checkpoint_pass="after")
     odd = dict(inputs, v=jnp.zeros((8, 1, 24), jnp.float32))
     assert gdn_pallas.supports(**odd, interpret=True).startswith("V:")
     assert kda_pallas.supports(**inputs, interpret=True).startswith("g:")

@@ -118,9 +118,22 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
         if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
             return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
     intra_tuning = {key: value for key, value in tuning.items() if key in _INTRA_TUNING}
-    reason = triton_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **intra_tuning)
-    if reason is not None:
-        return f"intra pass (pallas_triton): {reason}"
+    if tuning.get("intra") == "mosaic_gpu":
+        # the Triton intra's options would be ignored; the cumsum launch still takes num_stages
+        triton_only = sorted(set(intra_tuning) - {"num_stages"})
+        if triton_only:
+            return f"tuning: {triton_only} tune the Triton intra pass, not intra='mosaic_gpu'"
+        intra_module = mosaic_kda_intra if g.ndim == 3 else mosaic_intra
+        gate_tail = (q.shape[-1],) if g.ndim == 3 else ()
+        # the chunk count without the rows: each row adds at most one partial chunk to T // C
+        G = jax.ShapeDtypeStruct((v.shape[1], q.shape[0] // CHUNK + 1, CHUNK, *gate_tail), _F32)
+        reason = intra_module.supports(q, k, v, beta, G, chunk=chunk_size, interpret=interpret)
+        if reason is not None:
+            return f"intra pass (mosaic_gpu): {reason}"
+    else:
+        reason = triton_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **intra_tuning)
+        if reason is not None:
+            return f"intra pass (pallas_triton): {reason}"
     if not interpret and not _is_hopper():
         return "backend: the Mosaic GPU state pass needs a Hopper GPU (sm_90, wgmma) or interpret=True"
     return None

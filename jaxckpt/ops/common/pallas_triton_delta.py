@@ -101,7 +101,7 @@ MAX_HEAD_DIM = 256
 L2NORM_EPS = 1e-6
 TUNING_KEYS = ("num_warps", "num_stages", "block_v", "intra_num_warps", "output_block_v", "version",
                "fuse_output", "kda_intra", "kda_diag", "kda_block_k", "checkpoint_pass")
-CHECKPOINT_PASSES = ("after", "in_loop")
+CHECKPOINT_PASSES = ("in_loop", "after")
 KDA_INTRA = ("split", "streamed", "resident")
 KDA_DIAG = ("doubling", "pairs")
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -136,6 +136,8 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
         return f"tuning: version must be 1 or 2, got {tuning['version']!r}"
     if tuning.get("fuse_output") and tuning.get("version", 2) != 2:
         return "tuning: fuse_output needs version 2"
+    if tuning.get("checkpoint_pass", "in_loop") != "in_loop" and tuning.get("version", 2) != 2:
+        return "tuning: checkpoint_pass='after' needs version 2"
     for key, allowed in (("kda_intra", KDA_INTRA), ("kda_diag", KDA_DIAG), ("checkpoint_pass", CHECKPOINT_PASSES)):
         if tuning.get(key, allowed[0]) not in allowed:
             return f"tuning: {key} must be one of {allowed}, got {tuning[key]!r}"
@@ -766,8 +768,10 @@ def _state_kernel_v2(*refs, chunk, group, channel, block_v, has_initial, has_che
     def run(lo, hi, S):
         return jax.lax.fori_loop(lo, hi, chunk_step, S)
 
+    seg_hi = seg_hi_ref[n] if after else None
+
     def next_checkpoint_chunk(s):
-        return jnp.where(s < seg_hi_ref[n], seg_chunk_ref[s], -1)
+        return jnp.where(s < seg_hi, seg_chunk_ref[s], -1)
 
     def step_storing_entries(i, carry):
         # the next checkpoint chunk rides in the carry, loaded one step ahead: the masked store's mask comes from
@@ -817,21 +821,24 @@ def _checkpoints_in_chunk(base, count, pos_ref, ckpt_ref, S, k_c, G_c, v_new, *,
     jax.lax.fori_loop(base, base + count, step, 0)
 
 
-def _checkpoint_kernel_v2(ck_chunk_ref, ck_pos_ref, start_ref, len_ref, entry_slot_ref, k_ref, G_ref, w_ref, u_ref,
-                          entry_ref, ckpt_ref, *, chunk, group, channel, block_v, dots):
+def _checkpoint_kernel_v2(valid_ref, ck_chunk_ref, ck_pos_ref, start_ref, len_ref, entry_slot_ref, k_ref, G_ref, w_ref,
+                          u_ref, entry_ref, ckpt_ref, *, chunk, group, channel, block_v, dots):
     """`checkpoint_pass="after"`, grid (checkpoint, value head, V block): v_new of the checkpoint's chunk again from
     its fp32 entry state (entry_slot: the chunk's rank among the distinct checkpoint chunks; the same product as
     the state pass), then `_checkpoints_in_chunk` for this one entry."""
     m, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * block_v, block_v)
     rows = jnp.arange(chunk, dtype=jnp.int32)
-    c = ck_chunk_ref[m]
-    S = entry_ref[entry_slot_ref[m], h, :, cols]
-    v_new = u_ref[h, c, :, cols].astype(_F32) - dots.exact(w_ref[h, c], S)
-    k_c = _load_tokens(k_ref.at[pl.ds(start_ref[c], chunk), h // group, :], rows, len_ref[c],
-                       (chunk, k_ref.shape[-1]))
-    _checkpoints_in_chunk(m, 1, ck_pos_ref, ckpt_ref, S, k_c, G_ref[h, c], v_new, h=h, cols=cols, rows=rows,
-                          channel=channel, dots=dots)
+
+    @pl.when(valid_ref[m] != 0)  # padded CSR entries: nothing to export
+    def _():
+        c = ck_chunk_ref[m]
+        S = entry_ref[entry_slot_ref[m], h, :, cols]
+        v_new = u_ref[h, c, :, cols].astype(_F32) - dots.exact(w_ref[h, c], S)
+        k_c = _load_tokens(k_ref.at[pl.ds(start_ref[c], chunk), h // group, :], rows, len_ref[c],
+                           (chunk, k_ref.shape[-1]))
+        _checkpoints_in_chunk(m, 1, ck_pos_ref, ckpt_ref, S, k_c, G_ref[h, c], v_new, h=h, cols=cols, rows=rows,
+                              channel=channel, dots=dots)
 
 
 def _output_kernel_v2(start_ref, len_ref, qg_ref, aqk_ref, h_ref, vnew_ref, o_ref, *, chunk, block_v, dots):
@@ -860,7 +867,7 @@ def _checkpoint_segments(lay, checkpoint_cu):
 
 def _checkpoint_chunk_ranks(lay):
     """i32[M]: each checkpoint's chunk's rank among the distinct checkpoint chunks (as `_checkpoint_segments` orders
-    them); padded entries 0."""
+    them); padded entries get the last valid rank (their results are never used)."""
     chunk = lay.checkpoint_chunk
     prev = jnp.concatenate([jnp.full(1, -1, jnp.int32), chunk[:-1]])
     is_first = lay.checkpoint_valid & (chunk != prev)
@@ -1011,7 +1018,7 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     (split and streamed: the K / V column block, default min(K, V, 32)); version 2: checkpoint_pass ("in_loop":
     the state pass exports inside its segmented loop; "after": one plain loop that stores the fp32 entry state of
     each checkpoint chunk by a masked store, the next checkpoint chunk carried one step ahead, and one small launch
-    per checkpoint finishes the export).
+    over the checkpoints finishes the export).
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padded checkpoint entries are unspecified.
@@ -1091,7 +1098,7 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
             segments = _checkpoint_segments(lay, p.checkpoint_cu)
             state_inputs += list(segments)
             entry_slot = _checkpoint_chunk_ranks(lay)
-        elif num_ckpt > 0:
+        elif num_ckpt > 0 and checkpoint_pass == "in_loop":
             state_inputs += [*_checkpoint_segments(lay, p.checkpoint_cu), ck_start, ck_count, ck_pos, k]
         state_inputs += [G, w, u, kd] + ([qg, aqk] if fuse_output else []) + ([init] if init is not None else [])
         seq_outputs = (o_shape,) if fuse_output else (
@@ -1108,11 +1115,11 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
             checkpoint_states = pl.pallas_call(
                 functools.partial(_checkpoint_kernel_v2, chunk=chunk, group=group, channel=channel,
                                   block_v=block_v, dots=dots),
-                out_shape=ckpt_shape, grid=(num_ckpt, num_v_heads, head_v // block_v), in_specs=[full] * 10,
+                out_shape=ckpt_shape, grid=(num_ckpt, num_v_heads, head_v // block_v), in_specs=[full] * 11,
                 out_specs=full, compiler_params=params(num_warps=num_warps), interpret=interpret,
                 name="delta_checkpoints",
-            )(lay.checkpoint_chunk, ck_pos, lay.chunk_start, lay.chunk_len, entry_slot, k, G, w, u,
-              checkpoint_states)
+            )(lay.checkpoint_valid.astype(jnp.int32), lay.checkpoint_chunk, ck_pos, lay.chunk_start, lay.chunk_len,
+              entry_slot, k, G, w, u, checkpoint_states)
         if fuse_output:
             (o,) = seq
         else:

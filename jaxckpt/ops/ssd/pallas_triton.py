@@ -64,9 +64,6 @@ def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, **tuning) -
     unknown = sorted(set(tuning) - set(TUNING_KEYS))
     if unknown:
         return f"tuning: unknown options {unknown}, expected some of {TUNING_KEYS}"
-    block_p = tuning.get("state_block_p")
-    if block_p is not None and (not _is_pow2(block_p) or x.ndim == 3 and x.shape[-1] % min(block_p, x.shape[-1])):
-        return f"state_block_p: must be a power of two dividing P, got {block_p!r}"
     if chunk_size not in CHUNK_SIZES:
         return f"chunk_size: must be one of {CHUNK_SIZES}, got {chunk_size!r}"
     if x.ndim != 3 or B.ndim != 3:
@@ -74,6 +71,9 @@ def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, **tuning) -
     for name, size in (("P", x.shape[-1]), ("N", B.shape[-1])):
         if not _is_pow2(size) or not MIN_DIM <= size <= MAX_DIM:
             return f"{name}: must be a power of two in [{MIN_DIM}, {MAX_DIM}] for Triton tiles, got {size}"
+    block_p = tuning.get("state_block_p")
+    if block_p is not None and not _is_pow2(block_p):
+        return f"state_block_p: must be a power of two (capped at P), got {block_p!r}"
     for name, array in (("x", x), ("dt", dt), ("B", B), ("C", C)):
         if array.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
             return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {array.dtype}"
@@ -245,12 +245,12 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
         in_specs=[full, full, full, full, vec_block, vec_block], out_specs=state_block, name="ssd_local_state",
     )(lay.chunk_start, lay.chunk_len, x, B, acs, delta_c)
 
+    block_p = min(state_block_p, head_dim)
     state_inputs = [lay.row_first_chunk, lay.row_num_chunks, acs, local] + ([init] if init is not None else [])
     states, final_state = call(
-        functools.partial(_state_kernel, chunk=chunk, block_p=min(state_block_p, head_dim),
-                          has_initial=init is not None),
+        functools.partial(_state_kernel, chunk=chunk, block_p=block_p, has_initial=init is not None),
         out_shape=(chunk_states, jax.ShapeDtypeStruct((num_rows, num_heads, head_dim, state_dim), _F32)),
-        grid=(num_rows, num_heads, head_dim // min(state_block_p, head_dim)), in_specs=[full] * len(state_inputs), out_specs=(full, full), name="ssd_state",
+        grid=(num_rows, num_heads, head_dim // block_p), in_specs=[full] * len(state_inputs), out_specs=(full, full), name="ssd_state",
     )(*state_inputs)
 
     if num_ckpt > 0:
