@@ -400,11 +400,7 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     # the inverse's operands: (hi, lo) terms of op_dtype, or one fp16 term
     inv_dtype, inv_parts = (op_dtype, 2) if tuning["inverse"] == "split" else (jnp.float16, 1)
 
-    # beta chunk-major with padding rows 0: a [T, HV] column is strided, which TMA cannot read
-    pos = jnp.arange(chunk, dtype=jnp.int32)
-    token = jnp.clip(chunk_start[:, None] + pos, 0, beta.shape[0] - 1)                   # i32[NC, C]
-    beta_c = jnp.where((pos < chunk_len[:, None])[..., None], beta[token].astype(_F32), 0.0)  # [NC, C, HV]
-    beta_c = beta_c.transpose(2, 0, 1)                                                  # [HV, NC, C]
+    beta_c = tiles.chunk_major_beta(chunk_start, chunk_len, beta, chunk=chunk)  # fp32 [HV, NC, C]
 
     chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), io_dtype)
     vec = plgpu.SMEM((chunk,), _F32)

@@ -101,3 +101,11 @@ def input_reason(q, k, v, beta, G, *, chunk, tuning, tuning_keys, G_shape) -> st
         if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
             return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
     return None
+
+
+def chunk_major_beta(chunk_start, chunk_len, beta, *, chunk):
+    """fp32 [HV, NC, C]: beta per chunk with padding rows 0 (a [T, HV] column is strided, which TMA cannot read)."""
+    pos = jnp.arange(chunk, dtype=jnp.int32)
+    token = jnp.clip(chunk_start[:, None] + pos, 0, beta.shape[0] - 1)  # i32[NC, C]
+    beta_c = jnp.where((pos < chunk_len[:, None])[..., None], beta[token].astype(F32), 0.0)  # [NC, C, HV]
+    return beta_c.transpose(2, 0, 1)
