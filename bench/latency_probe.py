@@ -40,7 +40,7 @@ def _gpu_events(trace_dir):
                for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
     processes = {e.get("pid"): e.get("args", {}).get("name", "")
                  for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu, marks = [], []
+    gpu, marks, host = [], [], []
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
@@ -49,7 +49,9 @@ def _gpu_events(trace_dir):
             gpu.append((float(e["ts"]), float(e["dur"]), e["name"]))
         elif e["name"].startswith("probe_call_"):
             marks.append((float(e["ts"]), float(e["dur"])))
-    return sorted(gpu), sorted(marks)
+        else:
+            host.append((float(e["ts"]), float(e["dur"]), e["name"], where[-40:]))
+    return sorted(gpu), sorted(marks), sorted(host)
 
 
 def probe(fn, args, *, reps=10):
@@ -76,7 +78,7 @@ def probe(fn, args, *, reps=10):
             for i in range(reps):
                 with jax.profiler.TraceAnnotation(f"probe_call_{i}"):
                     jax.block_until_ready(fn(*args))
-        gpu, marks = _gpu_events(trace_dir)
+        gpu, marks, host = _gpu_events(trace_dir)
     spans, busy, counts, gaps = [], [], [], []
     for ts, dur in marks:
         inside = [e for e in gpu if ts <= e[0] <= ts + dur]
@@ -87,6 +89,12 @@ def probe(fn, args, *, reps=10):
         counts.append(len(inside))
         gaps += [((b[0] - (a[0] + a[1])) / 1e3, a[2][:50], b[2][:50]) for a, b in zip(inside, inside[1:])]
     gaps.sort(reverse=True)
+    if marks:  # the last call's events, host and device, as offsets from its start (us): where the host time goes
+        ts, dur = marks[-1]
+        result["timeline"] = sorted(
+            [(round(e[0] - ts, 1), round(e[1], 1), "gpu", e[2][:60]) for e in gpu if ts <= e[0] <= ts + dur]
+            + [(round(e[0] - ts, 1), round(e[1], 1), e[3], e[2][:60]) for e in host
+               if ts <= e[0] <= ts + dur and e[1] >= 2.0])
     result.update(span_ms=float(np.median(spans)) if spans else None, busy_ms=float(np.median(busy)) if busy else None,
                   events_per_call=float(np.median(counts)) if counts else None,
                   top_gaps=[{"ms": g, "after": a, "before": b} for g, a, b in gaps[:6]])

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxckpt.layers.common import Linear
 from jaxckpt.layers.metadata import StepMetadata
+from jaxckpt.plan.layout import searchsorted
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -91,7 +92,7 @@ class Attention(nnx.Module):
         cu = meta.cu_seqlens
         num_rows = cu.shape[0] - 1
         token = jnp.arange(num_tokens, dtype=jnp.int32)
-        rows = jnp.clip(jnp.searchsorted(cu[1:], token, side="right"), 0, num_rows - 1).astype(jnp.int32)
+        rows = jnp.clip(searchsorted(jnp, cu[1:], token, side="right"), 0, num_rows - 1).astype(jnp.int32)
         real = token < cu[num_rows]
         positions = meta.positions
         q, k, v = self._qkv(x, positions)

@@ -93,7 +93,7 @@ from jax.experimental.pallas import triton as plt
 
 from jaxckpt.ops.common.pallas_triton_tiles import Dots, row_mask
 from jaxckpt.ops.common.xla_arrays import packed_metadata
-from jaxckpt.plan.layout import chunk_layout
+from jaxckpt.plan.layout import chunk_layout, searchsorted
 
 CHUNK_SIZES = (16, 32, 64)
 SUB = 16
@@ -883,8 +883,8 @@ def _checkpoint_ranges(lay, num_chunks):
     """Per chunk, the CSR range [start, start + count) of checkpoints it holds (valid entries are chunk-sorted)."""
     ck_chunk = jnp.where(lay.checkpoint_valid, lay.checkpoint_chunk, num_chunks)
     ids = jnp.arange(num_chunks, dtype=jnp.int32)
-    lo = jnp.searchsorted(ck_chunk, ids, side="left").astype(jnp.int32)
-    hi = jnp.searchsorted(ck_chunk, ids, side="right").astype(jnp.int32)
+    lo = searchsorted(jnp, ck_chunk, ids, side="left").astype(jnp.int32)
+    hi = searchsorted(jnp, ck_chunk, ids, side="right").astype(jnp.int32)
     return lo, hi - lo
 
 

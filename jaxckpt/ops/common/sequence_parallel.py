@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plt
 
 from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
 from jaxckpt.ops.common.xla_arrays import packed_metadata
-from jaxckpt.plan.layout import chunk_layout
+from jaxckpt.plan.layout import chunk_layout, searchsorted
 
 PIECE_CUTS = ("checkpoints", "snap", "grid")
 COMPOSE = ("associative", "sequential")
@@ -144,12 +144,12 @@ def plan_pieces(cu_seqlens, checkpoint_cu, checkpoint_offsets, *, num_tokens: in
     num_grid = num_tokens // length  # >= sum(row_cuts)
     grid_ids = jnp.arange(num_grid, dtype=i32)
     grid_valid = grid_ids < cuts_cu[-1]
-    grid_row = jnp.clip(jnp.searchsorted(cuts_cu, grid_ids, side="right").astype(i32) - 1, 0, last_row)
+    grid_row = jnp.clip(searchsorted(jnp, cuts_cu, grid_ids, side="right").astype(i32) - 1, 0, last_row)
     grid_offset = (grid_ids - cuts_cu[grid_row] + 1) * length
 
     ckpt_ids = jnp.arange(num_ckpt, dtype=i32)
     ckpt_valid = ckpt_ids < ccu[-1]
-    ckpt_row = jnp.clip(jnp.searchsorted(ccu, ckpt_ids, side="right").astype(i32) - 1, 0, last_row)
+    ckpt_row = jnp.clip(searchsorted(jnp, ccu, ckpt_ids, side="right").astype(i32) - 1, 0, last_row)
     ckpt_abs = jnp.where(ckpt_valid, cu[ckpt_row] + offsets, end)
 
     if piece_cuts != "grid" and num_grid and num_ckpt:
@@ -188,7 +188,7 @@ def plan_pieces(cu_seqlens, checkpoint_cu, checkpoint_offsets, *, num_tokens: in
         kernel_index = jnp.zeros(num_ckpt, i32)
         kernel_cu = kernel_offsets = None
     else:
-        piece = jnp.clip(jnp.searchsorted(starts, ckpt_abs, side="right").astype(i32) - 1, 0, total - 1)
+        piece = jnp.clip(searchsorted(jnp, starts, ckpt_abs, side="right").astype(i32) - 1, 0, total - 1)
         rel = ckpt_abs - starts[piece]
         boundary = ckpt_valid & (rel == 0)
         prev = jnp.maximum(piece - 1, 0)

@@ -13,11 +13,12 @@ import jax.numpy as jnp
 
 from jaxckpt.ops.common.xla_arrays import check_float, compute_dtype, packed_metadata
 from jaxckpt.plan.checks import conv_dims
+from jaxckpt.plan.layout import searchsorted
 
 def checkpoint_rows(checkpoint_cu, num_checkpoints: int, num_rows: int):
     """(row i32[M] clipped into range, valid bool[M]) of each CSR entry; padded entries are not valid."""
     ids = jnp.arange(num_checkpoints, dtype=jnp.int32)
-    rows = jnp.searchsorted(checkpoint_cu, ids, side="right").astype(jnp.int32) - 1
+    rows = searchsorted(jnp, checkpoint_cu, ids, side="right").astype(jnp.int32) - 1
     return jnp.clip(rows, 0, num_rows - 1), ids < checkpoint_cu[-1]
 
 
@@ -61,7 +62,7 @@ def causal_conv1d(x, weight, bias=None, *, activation="silu", initial_state=None
         return jnp.where(rel >= 0, num_rows * hist + cu[row][..., None] + rel, row[..., None] * hist + hist + rel)
 
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    token_row = jnp.clip(jnp.searchsorted(cu, tokens, side="right").astype(jnp.int32) - 1, 0, num_rows - 1)
+    token_row = jnp.clip(searchsorted(jnp, cu, tokens, side="right").astype(jnp.int32) - 1, 0, num_rows - 1)
     window = jnp.concatenate([source[history(token_row, tokens - cu[token_row])], x[:, None]], axis=1)  # [T, W, D]
     cdt = compute_dtype(x.dtype)
     y = jnp.sum(window.astype(cdt) * weight.T.astype(cdt), axis=1)  # [T, D]
