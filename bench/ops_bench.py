@@ -17,10 +17,11 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from bench.common import Recorder, implementation_spec, jax_time, torch_time  # noqa: E402
+from bench.common import Recorder, implementation_spec, jax_device_time, jax_time, torch_time  # noqa: E402
 
 DELTA_SHAPES = [(1, 8192, 16), (1, 32768, 16), (8, 4096, 32)]
 VARLEN_MIX = [1024, 2048, 7168, 3072, 512, 9216, 4096, 5632]      # 8 rows, 32768 tokens, H = 16
+DEVICE_TIME = False  # --device-time
 SSD_SHAPES = [(8192, 128), (32768, 32)]                           # (T, H) with P = 64, N = 128, G = 1
 TINY_DELTA = [(1, 256, 2), (2, 128, 2)]
 TINY_SSD = [(256, 4)]
@@ -78,6 +79,8 @@ def bench_ours_delta(rec, kind, impl, lengths, H, D, shape_label, modes):
             implementation=impl, kernel_options=kernel_options))
         try:
             t = jax_time(f, *args, jnp.asarray(ccu), jnp.asarray(offsets))
+            if DEVICE_TIME:
+                t["device_ms"] = jax_device_time(f, *args, jnp.asarray(ccu), jnp.asarray(offsets))
             rec.add(op=kind, implementation=spec, shape=shape_label, rows=list(lengths), checkpoints=mode,
                     num_checkpoints=int(offsets.size), dtype="bf16", **t)
         except Exception as error:  # noqa: BLE001 - record the failure and go on
@@ -154,9 +157,12 @@ def bench_jla_delta(rec, kind, impl, lengths, H, D, shape_label):
     name = "gated_deltanet" if kind == "gdn" else "kda"
     f = jax.jit(lambda q, k, v, g, beta, h0: linear_attention(name, q, k, v, g=g, beta=beta, impl=impl,
                                                               initial_state=h0, output_final_state=True))
+    args = (bf(q), bf(k), bf(v), jnp.asarray(shp(g)), jnp.asarray(shp(beta)), jnp.asarray(h0))
+    t = jax_time(f, *args)
+    if DEVICE_TIME:
+        t["device_ms"] = jax_device_time(f, *args)
     rec.add(op=kind, implementation=f"jla_{impl}", shape=shape_label, rows=list(lengths), checkpoints="none",
-            dtype="bf16", **jax_time(f, bf(q), bf(k), bf(v), jnp.asarray(shp(g)), jnp.asarray(shp(beta)),
-                                     jnp.asarray(h0)))
+            dtype="bf16", **t)
 
 
 def bench_scan_gdn(rec, lengths, H, D, shape_label):
@@ -261,9 +267,13 @@ def main(argv=None):
     parser.add_argument("--name", default="ops")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny shapes")
     parser.add_argument("--no-varlen", action="store_true")
+    parser.add_argument("--device-time", action="store_true",
+                        help="also the summed GPU kernel time per call of the JAX rows (profiler trace)")
     parser.add_argument("--shapes", nargs="*", default=None,
                         help="only these delta shapes: B,T,H triples and/or 'varlen' (default: all)")
     args = parser.parse_args(argv)
+    global DEVICE_TIME
+    DEVICE_TIME = args.device_time
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     rec = Recorder(args.name, out_dir)
     impl_modes = {impl: args.modes for impl in args.impls}
