@@ -2,10 +2,15 @@
 intra launches it replaces (`pallas_triton_delta.intra_v2(..., per_channel_decay=True)`, default "split"), on one GPU.
 
 GPU: `python -m bench.mosaic_gpu_kda_intra_quick [--tokens 8192 32768] [--heads 16] [--dtype bfloat16]
-[--score-parts 1]`. Per shape (one row of T tokens, H = HV heads, K = V = 128, l2-normalized q and k), both passes get
-the same `prepare` output (chunk layout, casts, G; not timed); prints for each the median wall time of a jitted,
-device-synced call (20 after 5 warmup calls), the device time of its kernels from a profiler trace, and the max
-relative error of every Mosaic GPU output against the Triton one (max |a - b| / max |b|).
+[--variants ...]`. Per shape (one row of T tokens, H = HV heads, K = V = 128, l2-normalized q and k), every pass
+gets the same `prepare` output (chunk layout, casts, G; not timed); prints for each the median wall time of a
+jitted, device-synced call (20 after 5 warmup calls), the device time of its kernels from a profiler trace, and the
+errors of every Mosaic GPU output against the Triton one (max |a - b| / max |b| and rel-RMS).
+
+`--variants`: the Mosaic GPU tuning options to time (`VARIANTS`; no names: all of them); without the flag, only
+`default` (`default_tuning`'s choice). The kernel's first version (one CTA per SM, whole-tile registers, split
+inverse) measured 1.089 ms at T 8192 (`bench/results/mosaic_gpu_kda_intra_h200.log`); "split_parts2" is today's
+kernel with that version's precision options.
 
 `make_inputs`, `prepared`, `triton_kda_intra` and `mosaic_kda_intra` are shared with the tests.
 """
@@ -21,6 +26,14 @@ import numpy as np  # noqa: E402
 
 OUTPUTS = ("w", "u", "kd", "qg", "aqk")
 CHUNK = 64
+# name -> `kda_intra` tuning options (16-bit inputs; fp32 ones take only "default")
+VARIANTS = {
+    "default": {},
+    "split": dict(inverse="split"),
+    "parts2": dict(score_parts=2),
+    "split_parts2": dict(score_parts=2, inverse="split"),
+    "shifted": dict(reference="shifted"),
+}
 
 
 def make_inputs(rng, num_tokens, num_heads, num_v_heads, head_k, head_v, *, strong=False):
@@ -77,6 +90,11 @@ def max_rel(actual, expected) -> float:
     return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
 
 
+def rel_rms(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
 def main():
     import functools
 
@@ -85,34 +103,42 @@ def main():
 
     from bench.common import jax_time
     from bench.profile_delta import kernel_times
+    from jaxckpt.ops.common.pallas_mosaic_gpu_kda_intra import default_tuning
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--score-parts", type=int, default=None, help="the Mosaic GPU kernel's `score_parts`")
+    parser.add_argument("--variants", nargs="*", choices=sorted(VARIANTS), default=None,
+                        help="Mosaic GPU tuning variants to time (no names: all)")
     parser.add_argument("--interpret", action="store_true",
-                        help="both kernels in their CPU interpreters: a smoke run of this script, times meaningless")
+                        help="all kernels in their CPU interpreters: a smoke run of this script, times meaningless")
     args = parser.parse_args()
+    variants = ["default"] if args.variants is None else args.variants or list(VARIANTS)
     dtype = jnp.dtype(args.dtype)
-    tuning = {} if args.score_parts is None else dict(score_parts=args.score_parts)
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, H = HV = {args.heads}, "
-          f"K = V = {args.dim}, {dtype.name}, tuning {tuning}")
+          f"K = V = {args.dim}, {dtype.name}")
     for num_tokens in args.tokens:
         x = make_inputs(np.random.default_rng(0), num_tokens, args.heads, args.heads, args.dim, args.dim)
         p = jax.block_until_ready(prepared(x, [0, num_tokens], dtype, interpret=args.interpret))
         inputs = (p.q, p.k, p.v, p.beta, p.G)
-        mosaic = jax.jit(functools.partial(mosaic_kda_intra, p, interpret=args.interpret, **tuning))
         triton = jax.jit(functools.partial(triton_kda_intra, p, interpret=args.interpret))
-        errors = ", ".join(f"{name} {max_rel(a, b):.2e}"
-                           for name, a, b in zip(OUTPUTS, mosaic(*inputs), triton(*inputs)))
-        for name, fn in (("mosaic_gpu", mosaic), ("triton", triton)):
+        reference = triton(*inputs)
+        passes = [("triton", triton, None)]
+        for name in variants:
+            tuning = {**default_tuning(dtype), **VARIANTS[name]}
+            passes.append((f"{name} {tuning}", jax.jit(functools.partial(mosaic_kda_intra, p, interpret=args.interpret,
+                                                                         **VARIANTS[name])), name))
+        for label, fn, name in passes:
             wall = jax_time(fn, *inputs, warmup=5, reps=20)["median_ms"]
             per_kernel, total = kernel_times(fn, inputs, reps=20)
             kernels = ", ".join(f"{kernel} {ms:.3f}" for kernel, ms in sorted(per_kernel.items()))
-            print(f"T {num_tokens:6d} {name:10s} wall {wall:.3f} ms, device {total:.3f} ms ({kernels})")
-        print(f"T {num_tokens:6d} max rel error vs triton: {errors}")
+            print(f"T {num_tokens:6d} {label}: wall {wall:.3f} ms, device {total:.3f} ms ({kernels})", flush=True)
+            if name is not None:
+                errors = ", ".join(f"{out} {max_rel(a, b):.2e}/{rel_rms(a, b):.2e}"
+                                   for out, a, b in zip(OUTPUTS, fn(*inputs), reference))
+                print(f"T {num_tokens:6d} {name}: vs triton (max rel / rel-RMS): {errors}", flush=True)
 
 
 if __name__ == "__main__":

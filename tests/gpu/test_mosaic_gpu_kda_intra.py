@@ -13,12 +13,14 @@ CU_SEQLENS = [0, 3000, 3001, 8190]  # then 2 padding tokens
 NUM_TOKENS = 8192
 
 
-@pytest.mark.parametrize("strong, score_parts, tol", [
-    (False, 1, 6e-3),  # the bf16 class of the shared vectors
-    (False, 2, 6e-3),
-    (True, 1, 6e-3),   # G far below -88 inside chunks: a naive factorisation would overflow
+@pytest.mark.parametrize("dtype, strong, tuning, tol", [
+    ("bfloat16", False, {}, 6e-3),  # the default: score_parts 1, the fp16 inverse; the bf16 class of the vectors
+    ("bfloat16", False, dict(score_parts=2, inverse="split", reference="select"), 6e-3),
+    ("bfloat16", True, {}, 6e-3),   # G far below -88 inside chunks: a naive factorisation would overflow
+    ("float16", False, {}, 2e-3),
+    ("float32", False, {}, 3e-5),   # the precise path: split-bf16 products, not TF32
 ])
-def test_real_shape_against_triton_and_float64(strong, score_parts, tol):
+def test_real_shape_against_triton_and_float64(dtype, strong, tuning, tol):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -27,18 +29,18 @@ def test_real_shape_against_triton_and_float64(strong, score_parts, tol):
     from tests.ops.test_pallas_mosaic_gpu_kda_intra import OUTPUTS, check_outputs, run_all
 
     assert jax.default_backend() == "gpu"
+    dtype = jnp.dtype(dtype)
     num_heads, dim = 4, 128
-    q = jnp.zeros((NUM_TOKENS, num_heads, dim), jnp.bfloat16)
-    reason = mki.supports(q, q, q, q[..., 0], jnp.zeros((num_heads, 1, 64, dim)), score_parts=score_parts)
+    q = jnp.zeros((NUM_TOKENS, num_heads, dim), dtype)
+    reason = mki.supports(q, q, q, q[..., 0], jnp.zeros((num_heads, 1, 64, dim)), **tuning)
     if reason is not None:
         pytest.skip(reason)
     seed = 20261130
-    mosaic, triton, exact, chunk_len, _ = run_all(seed, jnp.bfloat16, num_heads, 1, dim, dim, cu_seqlens=CU_SEQLENS,
-                                                  num_tokens=NUM_TOKENS, strong=strong, interpret=False,
-                                                  score_parts=score_parts)
-    errors = check_outputs(seed, jnp.bfloat16, mosaic, triton, exact, chunk_len, tol=tol)
+    mosaic, triton, exact, chunk_len, _ = run_all(seed, dtype, num_heads, 1, dim, dim, cu_seqlens=CU_SEQLENS,
+                                                  num_tokens=NUM_TOKENS, strong=strong, interpret=False, **tuning)
+    errors = check_outputs(seed, dtype, mosaic, triton, exact, chunk_len, tol=tol)
     triton_errors = {name: np.linalg.norm(np.asarray(t, np.float64) - e) / np.linalg.norm(e)
                      for name, t, e in zip(OUTPUTS, triton, exact)}
     for name, (vs_exact, vs_triton) in errors.items():
-        print(f"strong {strong} score_parts {score_parts} {name}: rel-RMS vs float64 {vs_exact:.2e} "
+        print(f"{dtype.name} strong {strong} {tuning} {name}: rel-RMS vs float64 {vs_exact:.2e} "
               f"(triton {triton_errors[name]:.2e}), vs triton {vs_triton:.2e}")

@@ -6,7 +6,9 @@ is in every failure message).
 Rows of lengths 0, 1, 36, 0, 83 then 10 padding tokens holding NaN: chunks start at unaligned tokens, the last one
 is partial and its TMA window runs past T (zero-filled), and the NaNs check that nothing past a chunk's length
 leaks into its outputs. The strong-decay case drives G below -88 inside a chunk, where a naive exp(G_i) exp(-G_j)
-factorisation overflows fp32. The interpreter computes 16-bit wgmmas exactly in fp32, as the tensor cores do.
+factorisation overflows fp32. The interpreter computes 16-bit wgmmas exactly in fp32, as the tensor cores do. The
+cases cover both inverses ("f16", "split"), both ways of building the reference rows ("shifted", "select"), both
+score precisions and the three I/O dtypes.
 
 The kernel runs with the interpreter's race detector, which tracks TMA copies and RefUnion alias groups but not
 wgmma operand reads (no vector clocks on wgmma in jax 0.11.2), so a missing `commit_smem` before a wgmma is not
@@ -30,8 +32,9 @@ CHUNK = 64
 CU_SEQLENS = [0, 0, 1, 37, 37, 120]
 NUM_TOKENS = 130
 # rel-RMS bounds, 3-5x the measured worst. fp32: split-bf16 products, ~3e-6 (Triton's IEEE dots ~1e-7). bf16:
-# outputs rounded to bf16 (~2e-3 alone), score operands rounded to bf16 (score_parts 1) or split (2).
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
+# outputs rounded to bf16 (~2e-3 alone), score operands rounded to bf16 (score_parts 1) or split (2), the fp16 or
+# split inverse. fp16: outputs rounded to fp16 (~3e-4).
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 
 
 def rel_rms(actual, expected):
@@ -110,9 +113,11 @@ def fresh_interpreter():
 
 
 @pytest.mark.parametrize("dtype, num_heads, group, tuning", [
-    (jnp.bfloat16, 2, 1, {}),
-    (jnp.bfloat16, 1, 2, dict(score_parts=2)),
-    (jnp.float32, 1, 2, {}),
+    (jnp.bfloat16, 2, 1, {}),  # score_parts 1, the fp16 inverse, selected reference rows
+    (jnp.bfloat16, 2, 1, dict(reference="shifted")),
+    (jnp.bfloat16, 1, 2, dict(score_parts=2, inverse="split")),
+    (jnp.float16, 1, 1, {}),
+    (jnp.float32, 1, 2, {}),  # everything split
 ])
 def test_matches_triton_and_float64(dtype, num_heads, group, tuning):
     seed = int(np.random.SeedSequence().entropy % 2 ** 32)
@@ -131,7 +136,7 @@ def test_strong_decays_stay_exact():
     check_outputs(seed, dtype, *outputs, tol=TOL[dtype])
 
 
-def test_supports_reasons():
+def test_supports_reasons(monkeypatch):
     q = jnp.zeros((8, 2, 64), jnp.bfloat16)
     v = jnp.zeros((8, 4, 64), jnp.bfloat16)
     beta, G = jnp.zeros((8, 4)), jnp.zeros((4, 1, CHUNK, 64))
@@ -143,24 +148,36 @@ def test_supports_reasons():
     assert "dtype" in mki.supports(q.astype(jnp.int8), q, v, beta, G, interpret=True)
     assert "tuning" in mki.supports(q, q, v, beta, G, interpret=True, block_v=64)
     assert "score_parts" in mki.supports(q, q, v, beta, G, interpret=True, score_parts=3)
-    q32, v32 = jnp.zeros((8, 2, 128)), jnp.zeros((8, 4, 128))
-    assert "SMEM" in mki.supports(q32, q32, v32, beta, G, interpret=True)
+    assert "inverse" in mki.supports(q, q, v, beta, G, interpret=True, inverse="f32")
+    assert "reference" in mki.supports(q, q, v, beta, G, interpret=True, reference="gather")
+    q32, v32 = jnp.zeros((8, 2, 64)), jnp.zeros((8, 4, 64))
+    assert "inverse" in mki.supports(q32, q32, v32, beta, G, interpret=True, inverse="f16")
+    smem = mki._smem_bytes(128, 128, jnp.dtype(jnp.bfloat16), 2, "split")
+    monkeypatch.setattr(mki, "SMEM_LIMIT", smem - 1)
+    q128, v128 = jnp.zeros((8, 2, 128), jnp.bfloat16), jnp.zeros((8, 4, 128), jnp.bfloat16)
+    G128 = jnp.zeros((4, 1, CHUNK, 128))
+    assert "SMEM" in mki.supports(q128, q128, v128, beta, G128, interpret=True, score_parts=2, inverse="split")
+    assert mki.supports(q128, q128, v128, beta, G128, interpret=True) is None
     if jax.default_backend() == "cpu":
         assert "backend" in mki.supports(q, q, v, beta, G)
 
 
-@pytest.mark.parametrize("dtype, head_k, head_v, tuning", [
-    (jnp.bfloat16, 128, 128, {}),
-    (jnp.bfloat16, 128, 128, dict(score_parts=2)),  # 218 KB of SMEM, the largest that fits
-    (jnp.float32, 64, 128, {}),
+@pytest.mark.parametrize("dtype, head_k, head_v, tuning, two_per_sm", [
+    (jnp.bfloat16, 128, 128, {}, True),  # the default: two CTAs share an SM
+    (jnp.bfloat16, 128, 128, dict(score_parts=2, inverse="split", reference="select"), False),
+    (jnp.float32, 128, 128, {}, False),  # 210 KB of SMEM, the largest configuration
 ])
-def test_lowers_for_sm90(monkeypatch, dtype, head_k, head_v, tuning):
+def test_lowers_for_sm90(monkeypatch, dtype, head_k, head_v, tuning, two_per_sm):
     """The whole Pallas -> Mosaic GPU lowering for an H100/H200 runs on CPU: it checks what the interpreter does
-    not (SMEM within 227 KB, TMA sources contiguous, register layouts). Only PTX and ptxas need the GPU machine."""
+    not (SMEM within 227 KB, or within 113 KB where two CTAs must share an SM's 228 KB, TMA sources contiguous,
+    register layouts). Only PTX and ptxas need the GPU machine."""
     from jax import export
+    from jax.experimental.mosaic.gpu import core as mosaic_core
 
     # the backend check is about running the kernel; lowering for sm_90 needs no GPU
     monkeypatch.setattr(mki, "supports", lambda *args, **kwargs: None)
+    if two_per_sm:  # the lowering's own SMEM count, barriers included; each CTA also takes 1 KB of the SM
+        monkeypatch.setattr(mosaic_core, "_SMEM_SIZE_BOUND", 113 * 1024)
     num_tokens, num_heads, num_chunks = 1000, 2, 17
     arg = jax.ShapeDtypeStruct
     args = (arg((num_chunks,), jnp.int32), arg((num_chunks,), jnp.int32), arg((num_tokens, num_heads, head_k), dtype),

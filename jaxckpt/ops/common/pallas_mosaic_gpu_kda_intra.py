@@ -4,59 +4,89 @@ and dtypes; the math and the score factorisation are in `jaxckpt/ops/kda/README.
 
 Built on jax 0.11.2 with `plgpu.kernel` (grid (chunk, value head), one warpgroup per CTA, Hopper wgmma with 16-bit
 operands and fp32 accumulation); on CPU it runs under Mosaic GPU's interpreter (`interpret=True` or a
-`plgpu.InterpretGPUParams`). Per chunk c and value head h, with G the chunk-local inclusive cumulative log decay
-(fp32 [C, K], `prepare`'s output):
+`plgpu.InterpretGPUParams`). G is the chunk-local inclusive cumulative log decay (fp32 [HV, NC, C, K], `prepare`).
 
-1. TMA loads of the chunk's q and k rows [start, start + 64) (key head h // group), of G [C, K] twice (swizzled for
-   the [C, K] tiles, untiled for single rows) and of the chunk-major beta row (made in XLA, padding rows 0: a
-   [T, HV] column is strided, which TMA cannot read). q and k land untiled: chunk starts follow cu_seqlens, and a
-   tiled TMA destination needs tile-aligned starts; G is chunk-major, so it lands straight in swizzled SMEM. Rows
-   past the chunk's length are masked to zero in registers (`where`, so NaN padding stays out); G stays flat on
-   them (their g loads as 0 in `_cumsum_kernel`).
-2. The masked q and k go to swizzled tiles (exact, in the I/O dtype): every score level reads them again, and reads
-   from the untiled landing tiles would be 8-way bank-conflicted. beta exp(G) K, the right-hand side of W, goes to
-   swizzled SMEM (the input dtype, or bf16 (hi, lo) pairs for fp32 inputs); KD = K exp(G_last - G) and
-   QG = scale Q exp(G) go out by TMA through the (now dead) landing tiles.
-3. Scores, exact for any decay. Every strictly-lower pair (i, j) of the 64-row chunk lies in exactly one
+Why it is built this way. The first version (H200, bf16, T 8192, H 16, K = V = 128: 1.09 ms, ~70 us per CTA, one
+CTA per SM at 186 KB of SMEM, `bench/results/mosaic_gpu_kda_intra_h200.log`; no profile was taken, so these are
+causes read from its code) held whole [C, K] fp32 tiles in registers (64 per thread each: G, the reference rows,
+the exps, q, k, next to the fp32 score sums), more than the 255 registers a thread has; unrolled its six score levels
+into one long straight line of code; left layouts to Mosaic GPU's warpgroup-semantics inference; and walked its
+score levels, ten split inverse products and W, U one blocking wgmma round trip after another, with nothing else on
+the SM to fill the gaps. This version:
+
+- Column slabs. Every [C, K] elementwise pass runs on 32-column slabs ([C, 32] fp32: 16 registers per thread), and a
+  score is a sum over channels, so a level's products accumulate slab by slab into one wgmma accumulator: slab n's
+  wgmmas run while slab n + 1's exps are computed (its operands are built in registers, then the kernel waits for the
+  previous wgmmas before overwriting the one-slab operand tiles). Peak live state is the two running score sums, the
+  level's two accumulators and one slab's temporaries, about 200 registers.
+- Compact score code: a loop over the levels s = 32 .. 4 (s = 2^(5 - n), shifts rather than divisions), the slabs
+  unrolled inside it, the reference-row selects a loop over the level's blocks; the two finest levels, which would
+  take 80% of the selects, unrolled after it, their R_s built by the same selects (`reference="select"`, the
+  default) or read as row-shifted views of G (`reference="shifted"`, `_reference`). On the H200 the selects win:
+  0.341 vs 0.545 ms at (1, 8192, 16), 1.27 vs 2.22 ms at 32K (`bench/results/mosaic_gpu_kda_intra_h200_run2.log`):
+  the shifted views' 8-way bank-conflicted loads cost more than the ALU work they replace. No wgmma is in flight across a loop edge (each level reads its accumulators before the next
+  starts), which jla found necessary with jax 0.11.2.
+- Lane lowering semantics: every register layout is the one written here (WGMMA, or its row or column reduction),
+  so nothing is relaid out behind the code's back; lowering this kernel takes 3 s on a CPU (56 s with the
+  warpgroup semantics' layout inference, before the level loop).
+- Two CTAs per SM. SMEM drops to 109 KB (bf16, K = V = 128, as the lowering counts it; two CTAs need at most
+  113 KB each of the SM's 228 KB): the landing pieces of q and k are read in place (32-column TMA boxes that land with
+  the TMA swizzle, so WGMMA-layout reads are conflict-free) instead of copied, the score operands are one slab wide,
+  KD, QG and W leave through the landing pieces of k and q, U through v's, and the solve phase's tiles alias the
+  score phase's two G copies. One CTA's serial chain (scores, inverse, W and U) now overlaps the other's, as in the
+  GDN kernel (0.103 ms at the same shape with two CTAs per SM).
+- An fp16 inverse (`inverse="f16"`, the default for 16-bit inputs): one wgmma and one stored term per doubling
+  product instead of the split's three and two, a third of the inverse's tensor work and half its SMEM stores, all
+  on the critical path. The argument and the numpy emulation are `pallas_mosaic_gpu_intra`'s (same doubling, same
+  bounds: l2-normalized keys and beta <= 1 keep every entry of A at most 1, and decays only shrink it): fp16 keeps
+  11 significant bits, TF32's class, and the outputs do not see it (their error is the 16-bit rounding of the
+  right-hand sides and of the outputs). `inverse="split"` keeps the (hi, lo) products (~2^-16 relative), the only
+  choice for fp32 inputs.
+Not done: register-A wgmmas for Y (saves one slab store per product; the interpreter takes only SMEM operands),
+fewer serial steps in the inverse, and a persistent CTA that prefetches the next chunk (for GDN, several chunks per
+CTA measured slower than two CTAs per SM).
+
+Per chunk c and value head h:
+
+1. TMA loads: q and k rows [start, start + 64) (key head h // group) in 32-column boxes into swizzled landing
+   pieces (no tiling: chunk starts follow cu_seqlens, and a tiled TMA destination needs tile-aligned starts), G twice
+   (32-column swizzled pieces for [C, 32] slab loads; untiled, for single rows) and the chunk-major beta row (made in
+   XLA, padding rows 0: a [T, HV] column is strided, which TMA cannot read). Rows past the chunk's length are
+   zeroed in place (`where`, so NaN padding stays out); G stays flat on them (their g loads as 0 in `prepare`).
+2. Scores, exact for any decay. Every strictly-lower pair (i, j) of the 64-row chunk lies in exactly one
    (lower half, upper half) quadrant of a 2s-row block, s = 32, 16, 8, 4, 2, 1 (32·32 + 2·16·16 + ... + 32·1·1 =
-   2016 = 64·63/2 pairs). In the 2s-row block starting at b, r = b + s (the first row of its lower half) satisfies
-   j < r <= i for all of that quadrant's pairs, so per channel G_i <= G_r <= G_j (g <= 0) and
-   exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j) with both factors <= 1. With R_s the [C, K] tile whose row i holds
-   G's row r_s(i) and E_s = exp(where(lower half, G - R_s, R_s - G)) (every exponent <= 0: nothing is ever
-   exponentiated above 0), X = K ⊙ E_s holds the left factors in its lower-half rows and the right factors in its
-   upper-half rows, Y = Q ⊙ E_s the query-side left factors; X X^T and Y X^T, masked to the level's quadrants, are
-   that level's key and query scores (the other entries pair factors of different blocks and are dropped). One
-   level is one [C, K] exp and two 64-row wgmmas sharing X^T; six levels cover the chunk. The Triton kernels' 16-row
-   scheme (a reference row per sub-chunk for the off-diagonal blocks, a 4-level split of the diagonal ones) would
-   take 7 products per score kind of the same size here, since a wgmma tile has at least 64 rows, and 8 [C, K] exps
-   (one left factor, one right factor per sub-chunk reference, one per diagonal level).
-   R_s is exact: each of the level's 32 / s reference rows is read from the untiled G as a [K] vector, broadcast
-   and selected for its block (63 row reads and 57 [C, K] selects over the six levels, ALU work rather than a
-   serial wgmma round trip). A wgmma gather Sel_s bf16(G) would be cheaper but inexact: the rounded r' would push
-   one factor up to exp(2^-9 |G_r|), past fp32's range once |G| > 4.5e4, and row-shifted views of an untiled G
-   (r_s(i) - i takes only 2s values) made the Mosaic GPU lowering of jax 0.11.2 run for minutes. The diagonal
-   i = j (exp(0) = 1, query scores only) is the row sum of Q ⊙ K. An underflowed factor stands for a score below
-   e^-87 |a_i| |k_j|.
-4. AQK = scale (query scores) out; A = beta_i (key scores), strictly lower; T = (I + A)^-1 by recursive doubling on
-   the whole tile (T_2 = I - A_1, T_2s = T_s - T_s (A_s T_s), A_s the part of A in the level-s quadrants: the exact
-   block inverse, one 64-row wgmma per product) with every product on (hi, lo) splits (hi.hi + hi.lo + lo.hi,
-   ~2^-16 relative). Meanwhile v lands (its TMA load is issued once the score phase's SMEM is dead, and overlaps the
-   inverse); beta V goes to swizzled SMEM as beta exp(G) K did; W = T (beta exp(G) K), U = T (beta V) (T split), all
-   by TMA stores into the chunk-major [HV, NC, C, ...] arrays.
+   2016 = 64·63/2 pairs). In the 2s-row block starting at b, r = b + s satisfies j < r <= i for all of that
+   quadrant's pairs, so per channel G_i <= G_r <= G_j (g <= 0) and exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j)
+   with both factors <= 1. With R_s row i = G's row r_s(i) and E_s = exp(where(lower half, G - R_s, R_s - G))
+   (every exponent <= 0: nothing is ever exponentiated above 0), X = K ⊙ E_s holds the left factors in its
+   lower-half rows and the right factors in its upper-half rows, Y = Q ⊙ E_s the query-side left factors; X X^T and
+   Y X^T, masked to the level's quadrants, are that level's key and query scores. R_s is exact: each reference row
+   is read from the untiled G as a [32] vector per slab, broadcast and selected for its block, or, at s = 1, 2, R_s
+   is read as row-shifted views of that copy (ALU or SMEM work; a wgmma gather of bf16(G) would round r and push a
+   factor above 1). The diagonal i = j (query scores only) is the row
+   sum of Q ⊙ K. An underflowed factor stands for a score below e^-87 |a_i| |k_j|.
+3. From the last reads of q, k and G: KD = K exp(G_last - G) and QG = scale Q exp(G) written in place into the
+   landing pieces and stored by TMA; beta exp(G) K, the right-hand side of W, kept in registers (16-bit) until the
+   score phase's SMEM is dead, then stored; AQK = scale (query scores) staged and stored; v's TMA load issued (it
+   lands under the inverse).
+4. A = beta_i (key scores), strictly lower; T = (I + A)^-1 by recursive doubling on the whole tile (T_2 = I - A_1,
+   T_2s = T_s - T_s (A_s T_s), A_s the part of A in the level-s quadrants: the exact block inverse, one 64-row wgmma
+   per product); W = T (beta exp(G) K), U = T (beta V), stored by TMA through the landing pieces of k and v.
 Exps are ex2.approx (`approx_math`: one MUFU op and a multiply, as the Triton kernels' exp2) rather than libdevice's
 expf; denormal results flush to 0, an underflow as above.
 
 Precision. 16-bit inputs: the score operands X, Y are rounded to the input dtype (`score_parts=1`, the default:
-one wgmma per product, ~2^-9 relative per operand, as jla's KDA kernels; the Triton kernel's TF32 scores carry
-~2^-11) or split (`score_parts=2`: hi.hi + hi.lo + lo.hi, three wgmmas each, ~2^-16); the solve is always split;
-W and U use 16-bit right-hand sides (as FLA; the Triton kernel's are TF32); outputs are rounded to the input dtype.
-Measured in the interpreter (bf16, K = V = 64, rel-RMS vs float64): W, U ~2.3e-3 (Triton 1.6e-3), AQK 2.6e-3 with
-score_parts 1 and 1.6e-3 with 2 (Triton 1.6e-3, the output rounding). fp32 inputs: every operand is split
-(score_parts 2), ~3e-6 relative (the Triton kernel's IEEE fp32 dots: ~1e-7).
+one wgmma per slab product, ~2^-9 relative per operand, as jla's KDA kernels; the Triton kernel's TF32 scores carry
+~2^-11) or split (`score_parts=2`: hi.hi + hi.lo + lo.hi, ~2^-16); W and U use 16-bit right-hand sides (as FLA;
+the Triton kernel's are TF32) and T rounded once to the input dtype (fp16 inverse) or split (split inverse);
+outputs are rounded to the input dtype. Measured in the interpreter (bf16, K = V = 64, rel-RMS vs float64): W, U
+~2.3e-3 with either inverse (Triton 1.6e-3), AQK 2.5e-3 with score_parts 1 and 1.6e-3 with 2 (Triton 1.6e-3, the
+output rounding). fp32 inputs: every operand is split (score_parts 2, split inverse), ~3e-6 relative (the Triton
+kernel's IEEE fp32 dots: ~1e-7).
 
-SMEM per CTA (`plgpu.RefUnion`: the score phase's tiles alias the solve phase's): bf16, K = V = 128: 186 KB
-(score_parts 2: 218 KB), one CTA per SM; bf16, K = V = 64: 98 KB, two; fp32: 162 KB at K = 64 (V 64 or 128), and
-K = 128 does not fit (`supports` declines it, naming the size).
+SMEM per CTA as the lowering counts it (`plgpu.RefUnion`: the score phase's G copies and operand slabs alias the
+solve phase's tiles), K = V = 128: bf16 109 KB, two CTAs per SM (inverse="split": 123 KB, score_parts 2: 117 KB,
+one); fp32 211 KB. K = V = 64, bf16: 67 KB, three.
 """
 
 from __future__ import annotations
@@ -73,8 +103,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
-TUNING_KEYS = ("score_parts",)
-LEVELS = (32, 16, 8, 4, 2, 1)  # half-block sizes s of the score split (module docstring, step 3)
+SLAB = 32  # columns per landing piece and per elementwise slab: [C, 32] fp32 is 16 registers per thread
+TUNING_KEYS = ("score_parts", "inverse", "reference")
+INVERSES = ("f16", "split")
+REFERENCES = ("shifted", "select")  # how levels s <= SHIFTED build R_s (`_reference`)
+LEVELS = (32, 16, 8, 4, 2, 1)  # half-block sizes s of the score split (module docstring, step 2)
+SHIFTED = 2  # with reference="shifted", levels s <= SHIFTED read R_s as row-shifted views of G
+ROW_PAD = 1  # rows of the untiled G copy before row 0 (the shifted views start up to 1 row early, end 2 late)
 SMEM_LIMIT = 227 * 1024  # sm_90's opt-in dynamic SMEM per CTA
 SMEM_ALIGN = 1024  # what `plgpu.RefUnion` aligns every ref to (jax 0.11.2, `core.SMEM_ALIGNMENT`)
 MAX_GRID_CHUNKS = 65535  # CUDA's cap on the grid's y dimension, where the chunk axis lands
@@ -85,21 +120,32 @@ _ROWS = _WG.reduce(1)  # one value per row of a [C, N] WGMMA tile
 _COLS = _WG.reduce(0)  # one value per column
 
 
-def _smem_groups(head_k, head_v, io_dtype, score_parts):
+def default_tuning(io_dtype):
+    """The options `kda_intra` takes when not given: score operands in the input dtype and the fp16 inverse for
+    16-bit inputs; fp32 inputs split everything."""
+    fp32 = jnp.dtype(io_dtype) == _F32
+    return dict(score_parts=2 if fp32 else 1, inverse="split" if fp32 else "f16", reference="select")
+
+
+def _landing(width, dtype):
+    """[width / SLAB, C, SLAB] pieces with the TMA's swizzle (SLAB * itemsize bytes): one TMA box each, read and
+    written in the WGMMA layout without bank conflicts, and no tiling, so unaligned chunk starts stay legal."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return plgpu.SMEM((width // SLAB, CHUNK, SLAB), dtype, transforms=(plgpu.SwizzleTransform(SLAB * itemsize),))
+
+
+def _smem_groups(head_k, head_v, io_dtype, score_parts, inverse):
     """(persistent refs, score-phase group, solve-phase group): the SMEM scratch of one CTA."""
     fp32 = io_dtype == _F32
     op_dtype, parts = (_BF16, 2) if fp32 else (io_dtype, 1)
-    operand = lambda n, width, dtype=op_dtype: tiles.swizzled((n, CHUNK, width), dtype)
-    plain = lambda width, dtype=io_dtype: plgpu.SMEM((CHUNK, width), dtype)
-    persistent = [operand(parts, head_k), plgpu.SMEM((CHUNK,), _F32)]  # beta exp(G) K, beta
-    scores = [plain(head_k), plain(head_k), tiles.swizzled((CHUNK, head_k), _F32),  # q, k (later KD, QG staging), G
-              plgpu.SMEM((CHUNK, head_k), _F32),  # G again, untiled: row vectors are read from it
-              tiles.swizzled((CHUNK, head_k), io_dtype), tiles.swizzled((CHUNK, head_k), io_dtype),  # masked q, k
-              operand(score_parts, head_k), operand(score_parts, head_k),  # X, Y
-              tiles.swizzled((CHUNK, CHUNK), io_dtype)]  # AQK staging
-    solve = [plain(head_v), operand(parts, head_v),  # v landing, beta V
-             operand(2, CHUNK), operand(2, CHUNK),  # the inverse's operands
-             tiles.swizzled((CHUNK, head_k), io_dtype), tiles.swizzled((CHUNK, head_v), io_dtype)]  # W, U staging
+    inv_dtype, inv_parts = (_BF16, 2) if inverse == "split" else (jnp.float16, 1)
+    persistent = [plgpu.SMEM((CHUNK,), _F32), _landing(head_k, io_dtype), _landing(head_k, io_dtype)]  # beta, q, k
+    scores = [_landing(head_k, _F32), plgpu.SMEM((ROW_PAD + CHUNK + SHIFTED, head_k), _F32),  # G: pieces, untiled
+              tiles.swizzled((score_parts, CHUNK, SLAB), op_dtype),  # X and Y, one slab
+              tiles.swizzled((score_parts, CHUNK, SLAB), op_dtype)]
+    solve = [tiles.swizzled((CHUNK, CHUNK), io_dtype), _landing(head_v, io_dtype),  # AQK staging (then T), v
+             tiles.swizzled((parts, CHUNK, head_k), op_dtype), tiles.swizzled((parts, CHUNK, head_v), op_dtype),
+             tiles.swizzled((inv_parts, CHUNK, CHUNK), inv_dtype), tiles.swizzled((inv_parts, CHUNK, CHUNK), inv_dtype)]
     return persistent, scores, solve
 
 
@@ -111,9 +157,9 @@ def _nbytes(refs):
     return size
 
 
-def _smem_bytes(head_k, head_v, io_dtype, score_parts):
-    persistent, scores, solve = _smem_groups(head_k, head_v, io_dtype, score_parts)
-    return _nbytes(persistent + [plgpu.RefUnion(scores, solve)]) + SMEM_ALIGN  # + the barrier
+def _smem_bytes(head_k, head_v, io_dtype, score_parts, inverse):
+    persistent, scores, solve = _smem_groups(head_k, head_v, io_dtype, score_parts, inverse)
+    return _nbytes(persistent + [plgpu.RefUnion(scores, solve)]) + SMEM_ALIGN  # + the barriers
 
 
 def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str | None:
@@ -123,13 +169,19 @@ def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str
     if reason is not None:
         return reason
     io_dtype = tiles.io_dtype(k, v)
-    score_parts = tuning.get("score_parts", 2 if io_dtype == _F32 else 1)
-    if score_parts not in (1, 2) or (io_dtype == _F32 and score_parts != 2):
+    fp32 = io_dtype == _F32
+    tuning = {**default_tuning(io_dtype), **tuning}
+    score_parts, inverse = tuning["score_parts"], tuning["inverse"]
+    if score_parts not in (1, 2) or (fp32 and score_parts != 2):
         return f"tuning: score_parts must be 1 or 2 (2 for fp32 inputs), got {score_parts!r}"
-    smem = _smem_bytes(q.shape[-1], v.shape[-1], io_dtype, score_parts)
+    if inverse not in INVERSES or (fp32 and inverse != "split"):
+        return f"tuning: inverse must be one of {INVERSES} ('split' for fp32 inputs), got {inverse!r}"
+    if tuning["reference"] not in REFERENCES:
+        return f"tuning: reference must be one of {REFERENCES}, got {tuning['reference']!r}"
+    smem = _smem_bytes(q.shape[-1], v.shape[-1], io_dtype, score_parts, inverse)
     if smem > SMEM_LIMIT:
-        return (f"SMEM: {jnp.dtype(io_dtype).name} at K = {q.shape[-1]}, V = {v.shape[-1]}, score_parts "
-                f"{score_parts} needs {smem // 1024} KB per CTA, more than {SMEM_LIMIT // 1024} KB")
+        return (f"SMEM: {jnp.dtype(io_dtype).name} at K = {q.shape[-1]}, V = {v.shape[-1]}, {tuning} needs "
+                f"{smem // 1024} KB per CTA, more than {SMEM_LIMIT // 1024} KB")
     if G.shape[1] > MAX_GRID_CHUNKS:
         return f"G: at most {MAX_GRID_CHUNKS} chunks per launch, got {G.shape[1]}"
     if not interpret:
@@ -143,127 +195,212 @@ def _terms(buf, parts):
     return tuple(buf.at[p] for p in range(parts))
 
 
-def _reference_rows(s, g_u):
-    """R_s fp32 [C, K]: row i holds G's row r_s(i) exactly (module docstring, step 3): each of the level's 32 / s
-    reference rows is read from g_u (G untiled) as a [K] vector, broadcast and selected for its 2s-row block."""
-    rows = tiles.iota((CHUNK, g_u.shape[-1]), 0)
-    R = None
-    for b in range(0, CHUNK, 2 * s):
-        row = tiles.by_col(plgpu.load(g_u.at[b + s], layout=_COLS), rows.shape)
-        R = row if R is None else jnp.where(rows >= b, row, R)
-    return R
+def _slabs(land):
+    return range(land.shape[0])
 
 
-def _level_scores(s, k_s, q_s, G, R, x_s, y_s, *, score_parts):
-    """Level s of the score split (module docstring, step 3): (key, query) scores of its quadrants, fp32 [C, C].
+def _cols(j):
+    return pl.ds(j * SLAB, SLAB)
 
-    k_s, q_s: the masked swizzled [C, K] tiles (loaded again per level rather than held across levels); G, R fp32
-    [C, K] (R from `_reference_rows`); x_s, y_s the (parts, C, K) operand tiles.
+
+def _row(g_rows, r, j):
+    """G's row r (static or traced), columns of slab j, broadcast over a [C, SLAB] tile."""
+    return tiles.by_col(plgpu.load(g_rows.at[ROW_PAD + r, _cols(j)], layout=_COLS), (CHUNK, SLAB))
+
+
+def _quadrants(log_s):
+    """[C, C] mask of level s = 2^log_s (traced): pairs in one 2s-row block, i in its lower half, j in its upper."""
+    rows, cols = tiles.iota((CHUNK, CHUNK), 0), tiles.iota((CHUNK, CHUNK), 1)
+    same = lax.shift_right_logical(rows, log_s + 1) == lax.shift_right_logical(cols, log_s + 1)
+    return same & (lax.shift_right_logical(rows, log_s) & 1 == 1) & (lax.shift_right_logical(cols, log_s) & 1 == 0)
+
+
+def _reference(log_s, j, G, g_rows):
+    """Slab j of R_s, fp32 [C, SLAB]: row i holds G's row r_s(i) (module docstring, step 2), exactly.
+
+    log_s traced (the looped levels): the level's 32 / s reference rows, read as [SLAB] vectors, broadcast and
+    selected in a loop over its blocks: 16 selects per block and thread, 31 blocks at s = 1 and 15 at s = 2, about
+    80% of those selects. log_s static (`reference="shifted"`, s <= SHIFTED): r_s(i) - i takes only 2s values, so
+    R_s is G itself or one of 2s - 1 row-shifted views of the untiled copy (its rows 512 bytes apart, so each view is
+    an 8-way bank-conflicted load: 4 views per slab move the work from the ALUs to the SMEM pipe, which the rest of
+    the kernel leaves mostly idle; `reference="select"` keeps the selects for the A/B).
     """
-    sq = (CHUNK, CHUNK)
-    lower = lax.rem(tiles.iota(G.shape, 0), 2 * s) >= s
+    rows = tiles.iota(G.shape, 0)
+    if isinstance(log_s, int) and (1 << log_s) <= SHIFTED:
+        s = 1 << log_s
+        shift = s - lax.rem(rows, 2 * s)  # r_s(i) - i, in [1 - s, s]
+        R = G
+        for d in range(1 - s, s + 1):
+            if d:
+                # `optimized=False`: the lowering refuses to emit a bank-conflicted transfer otherwise
+                view = plgpu.load(g_rows.at[pl.ds(ROW_PAD + d, CHUNK), _cols(j)], layout=_WG, optimized=False)
+                R = jnp.where(shift == d, view, R)
+        return R
+    s = lax.shift_left(1, log_s)
+
+    def select(b, R):  # blocks b >= 1: rows from 2sb on take row 2sb + s
+        return jnp.where(rows >= 2 * s * b, _row(g_rows, 2 * s * b + s, j), R)
+
+    return lax.fori_loop(1, lax.shift_right_logical(32, log_s), select, _row(g_rows, s, j))
+
+
+def _level_operands(log_s, j, land_q, land_k, g_pieces, g_rows, dtype, parts):
+    """Slab j of level s = 2^log_s's score operands (module docstring, step 2): the terms of X = K ⊙ E_s and
+    Y = Q ⊙ E_s."""
+    G = plgpu.load(g_pieces.at[j], layout=_WG)
+    R = _reference(log_s, j, G, g_rows)
+    lower = lax.shift_right_logical(tiles.iota(G.shape, 0), log_s) & 1 == 1
     E = jnp.exp(jnp.where(lower, G - R, R - G))  # every exponent <= 0
-    tiles.store_parts(x_s, plgpu.load(k_s, layout=_WG).astype(_F32) * E, score_parts)
-    tiles.store_parts(y_s, plgpu.load(q_s, layout=_WG).astype(_F32) * E, score_parts)
-    plgpu.commit_smem()
-    x_terms, y_terms = _terms(x_s, score_parts), _terms(y_s, score_parts)
-    x_t = tuple(t.T for t in x_terms)
-    kk, qk = tiles.dots((x_terms, x_t, sq), (y_terms, x_t, sq))
-    keep = tiles.half_pairs(s)
-    return jnp.where(keep, kk, 0.0), jnp.where(keep, qk, 0.0)
+    x = plgpu.load(land_k.at[j], layout=_WG).astype(_F32) * E
+    y = plgpu.load(land_q.at[j], layout=_WG).astype(_F32) * E
+    return tiles.split(x, dtype, parts), tiles.split(y, dtype, parts)
+
+
+def _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s, *, shifted):
+    """(key, query) scores of every strictly-lower pair, fp32 [C, C]: a loop over the levels s > `shifted` (one copy
+    of the code, for the instruction cache) and the levels s <= `shifted` (0 or SHIFTED) unrolled, each level slab by
+    slab into two accumulators, a slab's operands built in registers while the previous slab's wgmmas run."""
+    parts = x_s.shape[0]
+    sq = (CHUNK, CHUNK)
+
+    def level(log_s, sums):
+        def body(acc_kk, acc_qk):
+            for j in _slabs(land_k):
+                x, y = _level_operands(log_s, j, land_q, land_k, g_pieces, g_rows, x_s.dtype, parts)
+                if j:
+                    plgpu.wgmma_wait(0)  # the previous slab's wgmmas have read x_s and y_s
+                for p in range(parts):
+                    x_s.at[p][...] = x[p]
+                    y_s.at[p][...] = y[p]
+                plgpu.commit_smem()
+                for a in range(parts):
+                    for b in range(parts - a):
+                        plgpu.wgmma(acc_kk, x_s.at[a], x_s.at[b].T)
+                        plgpu.wgmma(acc_qk, y_s.at[a], x_s.at[b].T)
+            return acc_kk[...], acc_qk[...]  # waits: no wgmma is in flight across a loop's back edge
+
+        # the barrier keeps later arithmetic after the wait (`tiles.dots`)
+        kk, qk = lax.optimization_barrier(pl.run_scoped(body, plgpu.ACC(sq, _F32), plgpu.ACC(sq, _F32)))
+        keep = _quadrants(log_s)
+        return sums[0] + jnp.where(keep, kk, 0.0), sums[1] + jnp.where(keep, qk, 0.0)
+
+    zero = plgpu.layout_cast(jnp.zeros(sq, _F32), _WG)
+    looped = sum(s > shifted for s in LEVELS)
+    sums = lax.fori_loop(0, looped, lambda n, sums: level(len(LEVELS) - 1 - n, sums), (zero, zero))
+    for log_s in reversed(range(len(LEVELS) - looped)):
+        sums = level(log_s, sums)
+    return sums
 
 
 def _inverse(A, t_buf, p_buf):
-    """(I + A)^-1 of a strictly lower-triangular fp32 [C, C] tile by recursive doubling (module docstring, step 4).
-
-    t_buf, p_buf: swizzled 16-bit [2, C, C] SMEM for the (hi, lo) terms: T_s (both sides), A_s, then A_s T_s in p_buf.
-    Returns the (hi, lo) terms of T in t_buf, the left operand of W and U.
-    """
+    """(I + A)^-1 (fp32) of a strictly lower-triangular fp32 [C, C] tile by recursive doubling (module docstring,
+    step 4); each product on t_buf's and p_buf's terms (one fp16 term, or bf16 (hi, lo))."""
     sq = (CHUNK, CHUNK)
+    parts = t_buf.shape[0]
     T = jnp.where(tiles.iota(sq, 0) == tiles.iota(sq, 1), 1.0, 0.0) - jnp.where(tiles.half_pairs(1), A, 0.0)
-    t_terms, p_terms = _terms(t_buf, 2), _terms(p_buf, 2)
+    t_terms, p_terms = _terms(t_buf, parts), _terms(p_buf, parts)
     for s in (2, 4, 8, 16, 32):
-        tiles.store_parts(t_buf, T, 2)
-        tiles.store_parts(p_buf, jnp.where(tiles.half_pairs(s), A, 0.0), 2)
+        tiles.store_parts(t_buf, T, parts)
+        tiles.store_parts(p_buf, jnp.where(tiles.half_pairs(s), A, 0.0), parts)
         plgpu.commit_smem()
         (prod,) = tiles.dots((p_terms, t_terms, sq))  # returns after the wgmmas finished reading p_buf
-        tiles.store_parts(p_buf, prod, 2)
+        tiles.store_parts(p_buf, prod, parts)
         plgpu.commit_smem()
         (update,) = tiles.dots((t_terms, p_terms, sq))
         T = T - update
-    tiles.store_parts(t_buf, T, 2)
-    plgpu.commit_smem()
-    return t_terms
+    return T
 
 
-def _stage_out(stage, x, dst):
-    """x [C, N] -> dst (GMEM) through the staging tile, once earlier TMA stores have finished reading theirs."""
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    stage[...] = x.astype(stage.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(stage, dst)
+def _store_pieces(land, x):
+    """x [C, N] fp32 into the landing pieces (in place: each thread writes the elements it read)."""
+    for j in _slabs(land):
+        land.at[j][...] = x[:, j * SLAB:(j + 1) * SLAB].astype(land.dtype)
+
+
+def _copy_out(land, dst):
+    """The landing pieces -> dst (GMEM [C, N]), one TMA box each (after `commit_smem`)."""
+    for j in _slabs(land):
+        plgpu.copy_smem_to_gmem(land.at[j], dst.at[:, _cols(j)])
+
+
+def _copy_in(src, land, bar):
+    for j in _slabs(land):
+        plgpu.copy_gmem_to_smem(src.at[:, _cols(j)], land.at[j], bar)
 
 
 def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref,
-                      aqk_ref, kb_s, b_s, phases, bar, v_bar, *, group, scale, parts, score_parts):
-    scores, (land_v, vb_s, t_buf, p_buf, w_stage, u_stage) = phases
-    land_q, land_k, g_s, g_u, q_s, k_s, x_s, y_s, aqk_stage = scores
+                      aqk_ref, b_s, land_q, land_k, phases, bar, v_bar, *, group, scale, parts, t_single,
+                      shifted):
+    (g_pieces, g_rows, x_s, y_s), (aqk_s, land_v, kb_s, vb_s, t_buf, p_buf) = phases
     c, h = lax.axis_index("c"), lax.axis_index("h")
     hk = lax.div(h, group)
     start, length = start_ref[c], len_ref[c]
     rows = pl.ds(start, CHUNK)
-    plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], land_q, bar)
-    plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], land_k, bar)
-    plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_s, bar)  # chunk-major, so tile-aligned: straight into swizzled SMEM
-    plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_u, bar)
+    _copy_in(q_ref.at[rows, hk], land_q, bar)
+    _copy_in(k_ref.at[rows, hk], land_k, bar)
+    _copy_in(G_ref.at[h, c], g_pieces, bar)  # chunk-major, so tile-aligned
+    plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_rows.at[pl.ds(ROW_PAD, CHUNK)], bar)
     plgpu.copy_gmem_to_smem(beta_ref.at[h, c], b_s, bar)
     plgpu.barrier_wait(bar)
 
-    def tokens(land):  # masked rows, fp32 [C, N]
-        x = plgpu.load(land, layout=_WG).astype(_F32)
-        return jnp.where(tiles.iota(x.shape, 0) < length, x, 0.0)
-
-    # q and k are read once from their landing tiles (untiled, so bank-conflicted) and kept masked in swizzled
-    # tiles (exact: the I/O dtype), which every score level reads again; the landing tiles then stage KD and QG
-    G, k = plgpu.load(g_s, layout=_WG), tokens(land_k)
-    b_row = plgpu.load(b_s, layout=_ROWS)
-    k_s[...] = k.astype(k_s.dtype)
-    tiles.store_parts(kb_s, k * tiles.by_row(b_row, k.shape) * jnp.exp(G), parts)
-    plgpu.commit_smem()  # also a warpgroup barrier: every thread has read land_k
-    # padding rows keep G flat: the last row is the last real token's
-    G_last = plgpu.load(g_u.at[CHUNK - 1], layout=_COLS)
-    _stage_out(land_k, k * jnp.exp(tiles.by_col(G_last, G.shape) - G), kd_ref.at[h, c])
-    q = tokens(land_q)
-    q_s[...] = q.astype(q_s.dtype)
+    slab = (CHUNK, SLAB)
+    valid = tiles.iota(slab, 0) < length
+    # rows past the chunk's length zeroed in place, once (every later read sees them); the diagonal of the query
+    # scores (exp(0) = 1) on the way
+    diag = None
+    for j in _slabs(land_k):
+        q, k = (jnp.where(valid, plgpu.load(land.at[j], layout=_WG).astype(_F32), 0.0) for land in (land_q, land_k))
+        land_q.at[j][...], land_k.at[j][...] = q.astype(land_q.dtype), k.astype(land_k.dtype)
+        diag = jnp.sum(q * k, axis=1) if diag is None else diag + jnp.sum(q * k, axis=1)
     plgpu.commit_smem()
-    _stage_out(land_q, scale * q * jnp.exp(G), qg_ref.at[h, c])
 
     sq = (CHUNK, CHUNK)
-    kk = qk = jnp.zeros(sq, _F32)
-    for s in LEVELS:
-        G = plgpu.load(g_s, layout=_WG)
-        level_kk, level_qk = _level_scores(s, k_s, q_s, G, _reference_rows(s, g_u), x_s, y_s,
-                                           score_parts=score_parts)
-        kk, qk = kk + level_kk, qk + level_qk
-    rows_sq, cols_sq = tiles.iota(sq, 0), tiles.iota(sq, 1)
-    q, k = (plgpu.load(x, layout=_WG).astype(_F32) for x in (q_s, k_s))
-    qk = qk + jnp.where(rows_sq == cols_sq, tiles.by_row(jnp.sum(q * k, axis=1), sq), 0.0)
-    _stage_out(aqk_stage, scale * qk, aqk_ref.at[h, c])
-    A = jnp.where(rows_sq > cols_sq, tiles.by_row(b_row, sq) * kk, 0.0)
+    kk, qk = _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s, shifted=shifted)
 
-    # the solve phase's tiles alias the score phase's: v lands once the AQK store has read its staging tile, and
-    # its load overlaps the inverse
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    plgpu.copy_gmem_to_smem(v_ref.at[rows, h], land_v, v_bar)
-    T = _inverse(A, t_buf, p_buf)
-    plgpu.barrier_wait(v_bar)
-    v = tokens(land_v)
-    tiles.store_parts(vb_s, v * tiles.by_row(b_row, v.shape), parts)
+    # the last reads of q, k and G: KD and QG in place in the landing pieces, beta exp(G) K in registers until the
+    # score phase's SMEM (which the solve phase's tiles alias) is dead
+    b_row = plgpu.load(b_s, layout=_ROWS)
+    op_dtype = kb_s.dtype
+    kb = []
+    for j in _slabs(land_k):
+        G = plgpu.load(g_pieces.at[j], layout=_WG)
+        k = plgpu.load(land_k.at[j], layout=_WG).astype(_F32)
+        q = plgpu.load(land_q.at[j], layout=_WG).astype(_F32)
+        gamma = jnp.exp(G)
+        kb.append(tiles.split(k * tiles.by_row(b_row, slab) * gamma, op_dtype, parts))
+        land_k.at[j][...] = (k * jnp.exp(_row(g_rows, CHUNK - 1, j) - G)).astype(land_k.dtype)  # padding: G flat
+        land_q.at[j][...] = (scale * q * gamma).astype(land_q.dtype)
+    plgpu.commit_smem()  # also a warpgroup barrier: the score phase's tiles are dead from here on
+    _copy_out(land_k, kd_ref.at[h, c])
+    _copy_out(land_q, qg_ref.at[h, c])
+    _copy_in(v_ref.at[rows, h], land_v, v_bar)
+    for p in range(parts):
+        kb_s.at[p][...] = jnp.concatenate([terms[p] for terms in kb], axis=1)
+    rows_sq, cols_sq = tiles.iota(sq, 0), tiles.iota(sq, 1)
+    aqk_s[...] = (scale * (qk + jnp.where(rows_sq == cols_sq, tiles.by_row(diag, sq), 0.0))).astype(aqk_s.dtype)
     plgpu.commit_smem()
-    head_k, head_v = w_stage.shape[-1], u_stage.shape[-1]
-    w, u = tiles.dots((T, _terms(kb_s, parts), (CHUNK, head_k)), (T, _terms(vb_s, parts), (CHUNK, head_v)))
-    _stage_out(w_stage, w, w_ref.at[h, c])
-    _stage_out(u_stage, u, u_ref.at[h, c])
+    plgpu.copy_smem_to_gmem(aqk_s, aqk_ref.at[h, c])
+
+    T = _inverse(jnp.where(rows_sq > cols_sq, tiles.by_row(b_row, sq) * kk, 0.0), t_buf, p_buf)
+    if t_single:  # T rounded once to the input dtype, in AQK's staging tile once its store has read it
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        aqk_s[...] = T.astype(aqk_s.dtype)
+        t_terms = (aqk_s,)
+    else:
+        tiles.store_parts(t_buf, T, t_buf.shape[0])
+        t_terms = _terms(t_buf, t_buf.shape[0])
+    plgpu.barrier_wait(v_bar)
+    v = jnp.concatenate([plgpu.load(land_v.at[j], layout=_WG) for j in _slabs(land_v)], axis=1).astype(_F32)
+    tiles.store_parts(vb_s, jnp.where(tiles.iota(v.shape, 0) < length, v, 0.0) * tiles.by_row(b_row, v.shape), parts)
+    plgpu.commit_smem()
+    head_k, head_v = kb_s.shape[-1], vb_s.shape[-1]
+    w, u = tiles.dots((t_terms, _terms(kb_s, parts), (CHUNK, head_k)), (t_terms, _terms(vb_s, parts), (CHUNK, head_v)))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # KD has left land_k
+    _store_pieces(land_k, w)
+    _store_pieces(land_v, u)
+    plgpu.commit_smem()
+    _copy_out(land_k, w_ref.at[h, c])
+    _copy_out(land_v, u_ref.at[h, c])
     # the CTA may exit once its stores have read SMEM: the writes finish before the kernel counts as done
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -278,8 +415,10 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     beta                    # [T, HV]
     G                       # fp32 [HV, NC, C, K]: chunk-local inclusive cumsum of the log decay (`prepare`)
     `group` = HV // H, `scale` a Python number. `interpret`: True (or an `InterpretGPUParams`) runs Mosaic GPU's
-    interpreter on CPU. Tuning: `score_parts` (1 or 2; 16-bit inputs only, default 1: the score operands rounded
-    to the input dtype or split, module docstring).
+    interpreter on CPU. Tuning (`TUNING_KEYS`, module docstring; each left out takes `default_tuning`'s value):
+    `score_parts` (1 or 2: the score operands rounded to the input dtype or split; 2 for fp32 inputs), `inverse`
+    ("f16" or "split"; "split" for fp32 inputs) and `reference` ("shifted" or "select": how the finest score levels
+    build their reference rows).
 
     Returns (w [HV, NC, C, K], u [HV, NC, C, V], kd [HV, NC, C, K], qg [HV, NC, C, K], aqk [HV, NC, C, C]), all in
     the I/O dtype (promote(k, v); fp32 if that is 32 bits or wider), padding rows zero.
@@ -294,22 +433,25 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     num_chunks = G.shape[1]
     io_dtype = tiles.io_dtype(k, v)
     fp32 = io_dtype == _F32
-    score_parts = tuning.get("score_parts", 2 if fp32 else 1)
+    tuning = {**default_tuning(io_dtype), **tuning}
     q, k, v = (x.astype(io_dtype) for x in (q, k, v))
 
     beta_c = tiles.chunk_major_beta(chunk_start, chunk_len, beta, chunk=chunk)  # fp32 [HV, NC, C]
 
-    persistent, scores, solve = _smem_groups(head_k, head_v, io_dtype, score_parts)
+    persistent, scores, solve = _smem_groups(head_k, head_v, io_dtype, tuning["score_parts"], tuning["inverse"])
     chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), io_dtype)
     kernel = plgpu.kernel(
         functools.partial(_kda_intra_kernel, group=group, scale=float(scale), parts=2 if fp32 else 1,
-                          score_parts=score_parts),
+                          t_single=tuning["inverse"] == "f16",
+                          shifted=SHIFTED if tuning["reference"] == "shifted" else 0),
         out_type=(chunk_array(head_k), chunk_array(head_v), chunk_array(head_k), chunk_array(head_k),
                   chunk_array(chunk)),
-        scratch_types=[*persistent, plgpu.RefUnion(scores, solve), plgpu.Barrier(num_arrivals=5),
-                       plgpu.Barrier(num_arrivals=1)],
+        scratch_types=[*persistent, plgpu.RefUnion(scores, solve),
+                       plgpu.Barrier(num_arrivals=2 * head_k // SLAB + head_k // SLAB + 2),
+                       plgpu.Barrier(num_arrivals=head_v // SLAB)],
         grid=(num_chunks, num_v_heads), grid_names=("c", "h"), interpret=tiles.interpret_params(interpret),
         # exp as ex2.approx (one MUFU op and a multiply, as the Triton kernels' exp2) rather than libdevice's expf
-        compiler_params=plgpu.CompilerParams(approx_math=True), kernel_name="kda_intra_mosaic_gpu",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        kernel_name="kda_intra_mosaic_gpu",
     )
     return kernel(chunk_start, chunk_len, q, k, v, beta_c, G.astype(_F32))
