@@ -75,6 +75,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mosaic_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mosaic_kda_intra
+from jaxckpt.ops.common import pallas_mosaic_gpu_split as mosaic_split
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
 
 CHUNK = 64
@@ -82,7 +83,9 @@ HEAD_DIMS = (64, 128)
 BLOCK_V = 64
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 INTRA = ("pallas_triton", "mosaic_gpu")
-TUNING_KEYS = ("intra", "intra_num_warps", "num_stages", "kda_intra", "kda_diag", "kda_block_k")
+STATES = ("v1", "v2")
+TUNING_KEYS = ("intra", "intra_num_warps", "num_stages", "kda_intra", "kda_diag", "kda_block_k", "state", "pieces",
+               "kda_score_parts")
 _INTRA_TUNING = ("intra_num_warps", "num_stages", "kda_intra", "kda_diag", "kda_block_k")
 _F32 = jnp.float32
 _WG = plgpu.Layout.WGMMA
@@ -97,6 +100,17 @@ def _is_hopper() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
+def _state_reason(state, pieces) -> str | None:
+    if state not in STATES:
+        return f"tuning: state must be one of {STATES}, got {state!r}"
+    if pieces != "auto" and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
+        return f"tuning: pieces must be an int >= 1 or 'auto', got {pieces!r}"
+    if pieces != 1 and state != "v2":
+        return (f"tuning: pieces={pieces!r} needs state='v2' (the lanes kernel splits rows into pieces; "
+                f"state={state!r} runs whole rows)")
+    return None
+
+
 def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> str | None:
     """None when this backend can run the call, else the reason (so the caller can fall back to XLA)."""
     unknown = sorted(set(tuning) - set(TUNING_KEYS))
@@ -104,6 +118,9 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
         return f"tuning: unknown options {unknown}, expected some of {TUNING_KEYS}"
     if tuning.get("intra", INTRA[0]) not in INTRA:
         return f"tuning: intra must be one of {INTRA}, got {tuning['intra']!r}"
+    reason = _state_reason(tuning.get("state", STATES[0]), tuning.get("pieces", 1))
+    if reason is not None:
+        return reason
     if chunk_size != CHUNK:
         return f"chunk_size: the Mosaic GPU state pass runs {CHUNK}-token chunks (wgmma tiles), got {chunk_size!r}"
     if q.ndim != 3 or v.ndim != 3:
@@ -123,14 +140,19 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
         triton_only = sorted(set(intra_tuning) - {"num_stages"})
         if triton_only:
             return f"tuning: {triton_only} tune the Triton intra pass, not intra='mosaic_gpu'"
+        if "kda_score_parts" in tuning and g.ndim != 3:
+            return "tuning: kda_score_parts tunes the KDA Mosaic GPU intra pass; this is a GDN call"
         intra_module = mosaic_kda_intra if g.ndim == 3 else mosaic_intra
         gate_tail = (q.shape[-1],) if g.ndim == 3 else ()
         # the chunk count without the rows: each row adds at most one partial chunk to T // C
         G = jax.ShapeDtypeStruct((v.shape[1], q.shape[0] // CHUNK + 1, CHUNK, *gate_tail), _F32)
-        reason = intra_module.supports(q, k, v, beta, G, chunk=chunk_size, interpret=interpret)
+        mosaic_tuning = {"score_parts": tuning["kda_score_parts"]} if "kda_score_parts" in tuning else {}
+        reason = intra_module.supports(q, k, v, beta, G, chunk=chunk_size, interpret=interpret, **mosaic_tuning)
         if reason is not None:
             return f"intra pass (mosaic_gpu): {reason}"
     else:
+        if "kda_score_parts" in tuning:
+            return "tuning: kda_score_parts tunes the KDA Mosaic GPU intra pass; it needs intra='mosaic_gpu'"
         reason = triton_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **intra_tuning)
         if reason is not None:
             return f"intra pass (pallas_triton): {reason}"
@@ -377,7 +399,7 @@ def state_pass(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False
 def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm=False, initial_state=None,
                       cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
                       interpret=False, intra="pallas_triton", intra_num_warps=4, num_stages=2, kda_intra="split",
-                      kda_diag="doubling", kda_block_k=None):
+                      kda_diag="doubling", kda_block_k=None, state="v1", pieces=1, kda_score_parts=None):
     """`pallas_triton_delta.delta_rule` with the Mosaic GPU state pass (module docstring); same arguments and results.
 
     q, k                # [T, H, K] 16-bit
@@ -389,15 +411,23 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     checkpoint_cu       # i32[N + 1] with checkpoint_offsets i32[M]; both None = no checkpoints
     `intra`: the kernels producing w, u, kd, qg, aqk ("pallas_triton": `pallas_triton_delta.intra_v2`, tuned by
     intra_num_warps, num_stages and, for KDA, kda_intra, kda_diag, kda_block_k as there; "mosaic_gpu": wgmma
-    kernels with the same layouts, `pallas_mosaic_gpu_intra.gdn_intra` / `pallas_mosaic_gpu_kda_intra.kda_intra`). `interpret`: True runs
+    kernels with the same layouts, `pallas_mosaic_gpu_intra.gdn_intra` / `pallas_mosaic_gpu_kda_intra.kda_intra`, the
+    latter's `score_parts` as kda_score_parts: 2 feeds the score products as hi + lo pairs). `interpret`: True runs
     every kernel on CPU; a `plgpu.InterpretGPUParams` (e.g. detect_races=True) does too, with those settings for the
     Mosaic GPU interpreter.
+    `state`: the state pass, "v1" (`state_pass`: one CTA per row, value head and V / 64) or "v2" (the lanes kernel,
+    `pallas_mosaic_gpu_state.state_lanes`, through `pallas_mosaic_gpu_split.state_pass_split`); `pieces` (state "v2"
+    only): each row cut into that many pieces run in parallel and joined exactly by their affine state maps, or
+    "auto" for `pallas_mosaic_gpu_split.choose_pieces` (1 unless the plain pass leaves most SMs idle).
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padding tokens and padded checkpoint entries are zeros.
     """
     if intra not in INTRA:
         raise ValueError(f"intra: must be one of {INTRA}, got {intra!r}")
+    reason = _state_reason(state, pieces)
+    if reason is not None:
+        raise ValueError(reason)
     num_tokens = q.shape[0]
     triton_interpret = bool(interpret)  # the Triton kernels take the HLO interpreter, whatever the Mosaic GPU one
     p = triton_delta.prepare(q, k, v, g, beta, per_channel_decay=per_channel_decay, scale=scale,
@@ -406,9 +436,10 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
                              intra_num_warps=intra_num_warps, num_stages=num_stages)
     if intra == "mosaic_gpu":
         intra_kernel = mosaic_kda_intra.kda_intra if per_channel_decay else mosaic_intra.gdn_intra
+        mosaic_tuning = {} if kda_score_parts is None else {"score_parts": kda_score_parts}
         w, u, kd, qg, aqk = intra_kernel(p.lay.chunk_start, p.lay.chunk_len, p.q, p.k, p.v, p.beta, p.G,
                                          chunk=chunk_size, group=p.v.shape[1] // p.q.shape[1], scale=p.scale,
-                                         interpret=interpret)
+                                         interpret=interpret, **mosaic_tuning)
     else:
         w, u, kd, qg, aqk = triton_delta.intra_v2(p, per_channel_decay=per_channel_decay, chunk_size=chunk_size,
                                                   interpret=triton_interpret, intra_num_warps=intra_num_warps,
@@ -418,8 +449,15 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     if initial_state is not None:
         init = initial_state.astype(_F32)
         init = init.swapaxes(-1, -2) if state_layout == "vk" else init
-    o_chunks, final_state, checkpoint_states = state_pass(p, w, u, kd, qg, aqk, init,
-                                                          per_channel_decay=per_channel_decay, interpret=interpret)
+    if state == "v1":
+        o_chunks, final_state, checkpoint_states = state_pass(p, w, u, kd, qg, aqk, init,
+                                                              per_channel_decay=per_channel_decay, interpret=interpret)
+    else:
+        if pieces == "auto":
+            pieces = mosaic_split.choose_pieces(p.cu_seqlens.shape[0] - 1, v.shape[1], v.shape[2], num_tokens,
+                                                head_k=q.shape[2])
+        o_chunks, final_state, checkpoint_states = mosaic_split.state_pass_split(
+            p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel_decay, pieces=pieces, interpret=interpret)
     lay = p.lay
     # tokens from their chunks' rows in one gather; padding tokens (pointing at chunk 0, maybe never written) and
     # padded CSR entries zeroed by a select

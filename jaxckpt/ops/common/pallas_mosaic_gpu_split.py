@@ -1,0 +1,161 @@
+"""The sequence split of the Mosaic GPU state pass: each row's chunks cut into P pieces that run in parallel, joined
+exactly by the pieces' affine state maps.
+
+The state pass is sequential over a row's chunks, one CTA per (row, value head, V / 64): at (1 row, 16 heads,
+V = 128) that is 32 CTAs on a 132-SM H200, so most SMs idle for the whole pass. Here every row is cut into P
+contiguous pieces of balanced chunk counts (`split_lanes`: piece p of row n is lane n * P + p) and the lanes kernel
+(`pallas_mosaic_gpu_state.state_lanes`) runs them side by side, twice:
+
+    per chunk c, with W_c, KD_c [C, K], U_c [C, V], D_c = exp(G_last) (a scalar, or for KDA diag of a K-vector):
+        S <- D_c S + KD_c^T (U_c - W_c S) = (D_c - KD_c^T W_c) S + KD_c^T U_c
+    so a piece maps its start state affinely: S_end = M S_start + E, with M = prod of (D_c - KD_c^T W_c) over its
+    chunks (later chunks on the left) and E its end state from zero (an empty piece: M = I, E = 0).
+
+1. Map pass (map_mode lanes) over pieces 0 .. P-2 of every row: [M | E] fp32 [K, K + V] per piece and value head,
+   the same recurrence run over the K + V columns of [I | 0] with U replaced by [0 | U] ((K + V) / 64 column blocks
+   per lane). The last piece's map is never needed: its end state is the row's final state, from pass 3.
+2. Scan in XLA (fp32, precision HIGHEST), P - 1 dependent steps: start_0 = the row's initial state,
+   start_{p+1} = M_p start_p + E_p, on the transposed states the kernel takes and returns (`state_layout="vk"`).
+   Without an initial state start_0 = 0, so start_1 = E_0 and the first product is skipped.
+3. Main pass (normal lanes) over all N * P lanes from their starts: outputs, checkpoint states (each checkpoint chunk
+   lies in exactly one lane, and a checkpoint at the first position of a piece is that piece's start state, as
+   `state_lanes` gives r = 0) and lane end states; row n's final state is its last piece's end.
+
+Exact: the recurrence is affine in S, so the scan reproduces the state entering every piece; nothing is
+approximated or truncated. Rounding: each start state is the plain pass's state plus the rounding of the map pass
+(the same 16-bit hi + lo products as the main pass, over the columns of [I | 0]) and of P - 1 fp32 products, the
+same class as the sequential pass. With normalized keys, beta in (0, 1] and decaying gates every token's map
+D_t (I - beta_t k_t k_t^T) has norm <= 1, so an error in one start state does not grow along the scan.
+
+Cost model (`choose_pieces`): a lane of L chunks costs about L chunk steps and one CTA holds an SM (the state
+kernels' SMEM), so a pass of X CTAs costs ceil(X / SMs) waves of its lane length. With NC chunks per row:
+    plain:   N * HV * V/64 CTAs, NC steps
+    split:   map pass N * (P-1) * HV * (K+V)/64 CTAs, main pass N * P * HV * V/64 CTAs, each NC / P steps
+plus the scan's P - 1 small batched products and one more launch. P = 1 unless the plain pass leaves most SMs idle;
+otherwise the power of two up to 8 with the fewest estimated steps (ties to the smaller P), keeping >= 8 chunks
+per piece on average so the per-lane start (TMA prologue, initial load) stays small beside the lane's chunks. At
+(1, 8192, 16) K = V = 128 on 132 SMs: P = 1 costs 128 steps, P = 2 64 + 64 (one wave each: no gain), P = 4
+2 * 32 + 32 = 96, P = 8 4 * 16 + 2 * 16 = 96: P = 4.
+
+Shapes are static in (N, P, NC): the lane arrays are traced from the chunk layout, so cu_seqlens may be traced.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxckpt.ops.common import pallas_mosaic_gpu_state as lanes_kernel
+from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+
+MAX_PIECES = 8
+MIN_CHUNKS_PER_PIECE = 8
+DEFAULT_NUM_SMS = 132  # H200
+COLUMN_BLOCK = 64  # columns of S per CTA in both passes
+CHUNK = 64
+_F32 = jnp.float32
+
+
+def split_lanes(row_first_chunk, row_num_chunks, *, pieces):
+    """Each row's chunks cut into `pieces` contiguous ranges of balanced size (counts differ by at most one; a row
+    of fewer chunks than pieces leaves some empty), piece p of row n at lane n * pieces + p.
+
+    row_first_chunk, row_num_chunks     # i32[N] (`ChunkLayout`), may be traced
+    Returns (lane_first, lane_count) i32[N * pieces].
+    """
+    first = jnp.asarray(row_first_chunk, jnp.int32)[:, None]  # [N, 1]
+    count = jnp.asarray(row_num_chunks, jnp.int32)[:, None]
+    bounds = first + count * jnp.arange(pieces + 1, dtype=jnp.int32) // pieces  # [N, P + 1]
+    return bounds[:, :-1].reshape(-1), jnp.diff(bounds, axis=1).reshape(-1)
+
+
+def _device_sms() -> int:
+    device = jax.devices()[0]
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return int(count) if count else DEFAULT_NUM_SMS
+
+
+def choose_pieces(num_rows, num_v_heads, head_v, num_tokens, *, head_k=None, num_sms=None) -> int:
+    """The piece count P for rows of num_tokens / num_rows tokens on average (module docstring, "Cost model").
+
+    Static, from shapes only. `head_k` defaults to head_v; `num_sms` to the GPU's SM count (132 off a GPU).
+    """
+    num_sms = num_sms or _device_sms()
+    head_k = head_k or head_v
+    plain = num_rows * num_v_heads * (head_v // COLUMN_BLOCK)
+    if num_rows == 0 or 2 * plain > num_sms:
+        return 1
+    chunks = num_tokens / num_rows / CHUNK
+    waves = lambda ctas: math.ceil(ctas / num_sms)  # noqa: E731
+    best, best_steps = 1, chunks
+    pieces = 2
+    while pieces <= MAX_PIECES and chunks / pieces >= MIN_CHUNKS_PER_PIECE:
+        map_ctas = num_rows * (pieces - 1) * num_v_heads * ((head_k + head_v) // COLUMN_BLOCK)
+        steps = (waves(map_ctas) + waves(plain * pieces)) * chunks / pieces
+        if steps < best_steps:
+            best, best_steps = pieces, steps
+        pieces *= 2
+    return best
+
+
+def _piece_starts(maps, init):
+    """Each piece's start state from the maps of pieces 0 .. P-2 and the rows' initial states, all transposed (the
+    lanes kernel's own layout): start_{p+1}^T = start_p^T M_p^T + E_p^T.
+
+    maps    # fp32 [N, P - 1, HV, K + V, K] = [M | E]^T
+    init    # fp32 [N, HV, V, K] or None (zeros)
+    Returns fp32 [N, P, HV, V, K].
+    """
+    head_k = maps.shape[-1]
+    M_t, E_t = maps[..., :head_k, :], maps[..., head_k:, :]
+    if init is None:
+        starts = [jnp.zeros_like(E_t[:, 0]), E_t[:, 0]]
+    else:
+        starts = [init]
+    for p in range(len(starts) - 1, maps.shape[1]):
+        product = jnp.einsum("nhvj,nhjk->nhvk", starts[-1], M_t[:, p], precision=lax.Precision.HIGHEST)
+        starts.append(product + E_t[:, p])
+    return jnp.stack(starts, axis=1)
+
+
+def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, interpret=False):
+    """`pallas_mosaic_gpu_delta.state_pass` (same arguments and results) with each row cut into `pieces` lanes
+    (module docstring), both passes on `pallas_mosaic_gpu_state.state_lanes`.
+
+    w, kd, qg   # [HV, NC, C, K] 16-bit
+    u           # [HV, NC, C, V]
+    aqk         # [HV, NC, C, C]
+    init        # fp32 [N, HV, K, V] or None (zeros)
+    Returns (o chunk-major [NC, C, HV, V], final fp32 [N, HV, K, V], checkpoints fp32 [max(M, 1), HV, K, V]; rows
+    of unused chunks, padding rows and padded entries unspecified).
+    """
+    lay = p.lay
+    num_v_heads, num_chunks, chunk = w.shape[:3]
+    num_rows = lay.row_first_chunk.shape[0]
+    decays = p.G[:, :, chunk - 1, :] if per_channel_decay else p.G  # KDA: G_last [HV, NC, K]; GDN: [HV, NC, C]
+    # states cross the lanes kernel transposed, its own layout: only the rows' initial and final states and the
+    # checkpoints are transposed, not every lane's start and end state nor the maps
+    options = dict(per_channel_decay=per_channel_decay, group=num_v_heads // p.q.shape[1], interpret=interpret,
+                   state_layout="vk")
+    checkpoints = None
+    if lay.checkpoint_pos.shape[0]:
+        ck_start, ck_count = triton_delta._checkpoint_ranges(lay, num_chunks)
+        checkpoints = lanes_kernel.Checkpoints(ck_start, ck_count, lay.checkpoint_pos, p.k, lay.chunk_start,
+                                               lay.chunk_len, p.G)
+    lane_first, lane_count = split_lanes(lay.row_first_chunk, lay.row_num_chunks, pieces=pieces)
+    lane_init = None if init is None else init.swapaxes(-1, -2)  # [N, HV, V, K]
+    if pieces > 1:
+        # the last piece of each row needs no map
+        leading = lambda x: x.reshape(num_rows, pieces)[:, :-1].reshape(-1)  # noqa: E731
+        maps = lanes_kernel.state_lanes(leading(lane_first), leading(lane_count), decays, w, u, kd, None, None, None,
+                                        map_mode=True, **options)
+        maps = maps.reshape(num_rows, pieces - 1, *maps.shape[1:])
+        lane_init = _piece_starts(maps, lane_init)
+        lane_init = lane_init.reshape(num_rows * pieces, *lane_init.shape[2:])
+    o, lane_end, checkpoint_states = lanes_kernel.state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk,
+                                                              lane_init, checkpoints, **options)
+    final = lane_end.reshape(num_rows, pieces, *lane_end.shape[1:])[:, -1]
+    return o, final.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)

@@ -1,0 +1,118 @@
+"""The sequence split of the Mosaic GPU state pass (`kernel_options={"state": "v2", "pieces": P}`) on a Hopper GPU:
+one long row at (1, 8192, 16) K = V = 128, bf16, with an initial state and checkpoints (on the piece boundaries of
+P = 2 and 4, inside chunks, at 1 and len - 1), for P = 1, 2, 4 and "auto", against float64 and against the version 1
+state pass; and varlen rows off the 8-row TMA tile grid with P = 3 (rows shorter than P chunks: empty pieces).
+This is where the map pass's tensor-core rounding (16-bit hi + lo products over the columns of [I | 0]) meets the
+scan; the CPU tests (tests/ops/test_pallas_mosaic_gpu_split.py) check the split's algebra and the interpreter.
+
+Run on the GPU machine:
+`JAXCKPT_GPU_TESTS=1 JAX_PLATFORMS=cuda python -m pytest -q -s tests/gpu/test_mosaic_gpu_split.py`.
+"""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+BF16_TOL = 6e-3  # tests/vectors/loader.py's "bf16" class (rel-RMS)
+AGREE_TOL = 2e-3  # against state "v1": the same intermediates, a different order of the fp32 products
+LENGTH = 8192
+# 1, inside chunks, P = 4's boundaries (2048, 6144), P = 2's and 4's (4096), len - 1
+OFFSETS = (1, 100, 2048, 3000, 4096, 6144, 8191)
+
+
+def rel_rms(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def make_case(op, rng, lengths, offsets, heads=16, dim=128, long_memory=False):
+    """l2-normalized bf16 q, k, v, softplus-style log decays (KDA's per channel / 8), initial states (x 0.1).
+
+    `long_memory`: log decays ~ -1e-4 per token and beta in (0.005, 0.05) instead, so a state still matters
+    thousands of tokens later (a piece's map M is far from 0 and a wrong join shows; the initial state is ~7% of
+    the final one at 8192 tokens); with the softplus gates it is forgotten within a piece."""
+    import jax.numpy as jnp
+
+    def unit(x):
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    T, H, D = sum(lengths), heads, dim
+    q, k = (unit(rng.standard_normal((T, H, D))).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((T, H, D)).astype(np.float32)
+    g_shape = (T, H) if op == "gdn" else (T, H, D)
+    g = -np.log1p(np.exp(-rng.standard_normal(g_shape))).astype(np.float32) / (1 if op == "gdn" else 8)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((T, H))))).astype(np.float32)
+    if long_memory:
+        g = -rng.exponential(1e-4, size=g_shape).astype(np.float32)
+        beta = rng.uniform(0.005, 0.05, size=(T, H)).astype(np.float32)
+    h0 = (rng.standard_normal((len(lengths), H, D, D)) * 0.1).astype(np.float32)
+    bf = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)]
+    meta = dict(cu_seqlens=np.cumsum([0, *lengths]).astype(np.int32),
+                checkpoint_cu=np.cumsum([0, *map(len, offsets)]).astype(np.int32),
+                checkpoint_offsets=np.concatenate(offsets).astype(np.int32), initial_state=h0)
+    return bf, g, beta, meta
+
+
+def entries(op):
+    from jaxckpt import ops
+    from jaxckpt.ops.gdn.reference import gated_delta_rule as gdn_ref
+    from jaxckpt.ops.kda.reference import kda as kda_ref
+
+    return (ops.gated_delta_rule, gdn_ref) if op == "gdn" else (ops.kda, kda_ref)
+
+
+@pytest.fixture(scope="module", params=["gdn", "kda"])
+def long_row(request):
+    op = request.param
+    fn, reference = entries(op)
+    bf, g, beta, meta = make_case(op, np.random.default_rng(17), (LENGTH,), (OFFSETS,), long_memory=True)
+    inputs = [np.asarray(a, np.float32) for a in bf]
+    expected = reference(*inputs, g, beta, **meta)
+    # the initial state still shapes the final one: the row's pieces really carry state across their boundaries
+    forgetful = reference(*inputs, g, beta, **dict(meta, initial_state=None))
+    assert rel_rms(forgetful[1], expected[1]) > 0.03, rel_rms(forgetful[1], expected[1])
+    v1 = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu", kernel_options={"intra": "mosaic_gpu"})
+    return op, fn, (bf, g, beta, meta), expected, v1
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 4, "auto"])
+def test_long_row_pieces_against_float64_and_v1(long_row, pieces):
+    op, fn, (bf, g, beta, meta), expected, v1 = long_row
+    got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu",
+             kernel_options={"intra": "mosaic_gpu", "state": "v2", "pieces": pieces})
+    failures = []
+    for name, a, e, b in zip(("o", "final", "checkpoints"), got, expected, v1):
+        err, agree = rel_rms(a, e), rel_rms(a, b)
+        print(f"{op} (1, {LENGTH}, 16) state v2 pieces={pieces} {name}: rel-RMS {err:.2e} vs float64, {agree:.2e} vs "
+              f"state v1 (v1 vs float64 {rel_rms(b, e):.2e})")
+        if not (np.isfinite(np.asarray(a, np.float32)).all() and err < BF16_TOL and agree < AGREE_TOL):
+            failures.append(f"{name}: {err:.2e} vs float64, {agree:.2e} vs v1")
+    # per checkpoint: one on a piece boundary is that piece's start state, from the scan alone
+    for m, offset in enumerate(OFFSETS):
+        err = rel_rms(got[2][m], expected[2][m])
+        if not err < BF16_TOL:
+            failures.append(f"checkpoint at {offset}: {err:.2e} vs float64")
+    assert not failures, "\n".join(failures)
+
+
+ROWS = ((1500, 1, 547, 37), ((1, 64, 500, 1000, 1499), (), (64, 500), (1, 36)))
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_varlen_rows_off_the_tile_grid_three_pieces(op):
+    fn, reference = entries(op)
+    lengths, offsets = ROWS
+    bf, g, beta, meta = make_case(op, np.random.default_rng(19), lengths, offsets)
+    expected = reference(*(np.asarray(a, np.float32) for a in bf), g, beta, **meta)
+    v1 = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu")
+    got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu", kernel_options={"state": "v2", "pieces": 3})
+    for name, a, e, b in zip(("o", "final", "checkpoints"), got, expected, v1):
+        err, agree = rel_rms(a, e), rel_rms(a, b)
+        print(f"{op} rows {lengths} state v2 pieces=3 {name}: rel-RMS {err:.2e} vs float64, {agree:.2e} vs v1")
+        assert np.isfinite(np.asarray(a, np.float32)).all() and err < BF16_TOL and agree < AGREE_TOL, name
+    # token by token against v1 (the same intermediates): a piece whose output tiles went astray shows as a block
+    o, o_v1 = np.asarray(got[0], np.float64), np.asarray(v1[0], np.float64)
+    token_err = np.sqrt(np.mean((o - o_v1) ** 2, axis=(1, 2)))
+    bad = np.flatnonzero(token_err > 0.02 * np.sqrt(np.mean(o_v1 ** 2)))
+    assert not bad.size, f"tokens {bad[:16].tolist()} ({bad.size} in all) differ from state v1"

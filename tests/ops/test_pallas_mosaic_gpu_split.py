@@ -1,0 +1,357 @@
+"""The sequence split of the Mosaic GPU state pass (`pallas_mosaic_gpu_split`): the split logic with the lanes kernel
+replaced by a float64 numpy emulator of its contract, against the float64 token-by-token references; `split_lanes`,
+`choose_pieces` and the tuning checks; and, once `pallas_mosaic_gpu_state.state_lanes` is written, the public GDN
+entry with the real kernel in Mosaic GPU's interpreter.
+
+The emulator (`emulate_state_lanes`) follows `state_lanes`' docstring literally, map mode included (the same
+recurrence over the columns of [I | 0] with U replaced by [0 | U]); it poisons everything the contract leaves
+unspecified (outputs of chunks outside every lane, checkpoints of such chunks) with NaN and fails on lanes that
+share a chunk. With fp32 inputs the cumsum and intra kernels (Pallas HLO interpreter) give fp32 intermediates, so
+the split's results are held to fp32 rounding against float64, which an inexact join of the pieces would miss.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxckpt import ops
+from jaxckpt.ops.common import pallas_mosaic_gpu_delta as mosaic_delta
+from jaxckpt.ops.common import pallas_mosaic_gpu_split as split
+from jaxckpt.ops.common import pallas_mosaic_gpu_state as lanes_kernel
+from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+from jaxckpt.ops.common.delta_reference import delta_rule_reference
+from jaxckpt.ops.gdn import pallas_mosaic_gpu as gdn_mosaic
+
+CHUNK = 64
+# rows of 0, 1, 37 (a partial chunk), 330 (5 full chunks and 10 tokens) and 129 tokens, then 7 padding tokens.
+# Row 3's checkpoints: inside its first chunk (1), on every piece boundary of P = 2, 3, 4 (64, 128, 192, 256:
+# chunk position 0, the piece's start state) and in its partial last chunk (329); row 4's in two chunks
+CU_SEQLENS = np.array([0, 0, 1, 38, 368, 497], np.int32)
+NUM_TOKENS = 504
+CHECKPOINT_CU = np.array([0, 0, 0, 1, 8, 10], np.int32)
+CHECKPOINT_OFFSETS = np.array([36, 1, 64, 100, 128, 192, 256, 329, 63, 128, 0, 0], np.int32)
+ROWS_WITH_STATE = (1, 3)
+HEAD_K, HEAD_V = 16, 32  # the emulator takes any size; K != V catches a swapped axis
+
+
+def rel_rms(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
+
+
+def _lanes_numpy(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ck, *, channel, group, map_mode,
+                 o_dtype):
+    f64 = lambda x: None if x is None else np.asarray(x, np.float64)  # noqa: E731
+    decays, w, u, kd, qg, aqk, lane_init = map(f64, (decays, w, u, kd, qg, aqk, lane_init))
+    num_v_heads, num_chunks, chunk, head_k = w.shape
+    head_v = u.shape[-1]
+    owner = np.full(num_chunks, -1)
+    for lane, (first, count) in enumerate(zip(lane_first, lane_count)):
+        assert count >= 0 and (owner[first:first + count] == -1).all(), "lanes share a chunk"
+        owner[first:first + count] = lane
+    if map_mode:
+        u = np.concatenate([np.zeros((*u.shape[:-1], head_k)), u], axis=-1)
+    width = u.shape[-1]
+    o = np.full((num_chunks, chunk, num_v_heads, head_v), np.nan)
+    end = np.zeros((len(lane_first), num_v_heads, head_k, width))
+    ckpt = None
+    if ck is not None:
+        ckpt = np.full((max(len(ck.checkpoint_pos), 1), num_v_heads, head_k, head_v), np.nan)
+        keys, G = f64(ck.k), f64(ck.G)
+    for lane, (first, count) in enumerate(zip(lane_first, lane_count)):
+        for h in range(num_v_heads):
+            if map_mode:
+                S = np.concatenate([np.eye(head_k), np.zeros((head_k, head_v))], axis=1)
+            else:
+                S = np.zeros((head_k, head_v)) if lane_init is None else lane_init[lane, h]
+            for c in range(first, first + count):
+                v_new = u[h, c] - w[h, c] @ S
+                if not map_mode:
+                    o[c, :, h] = qg[h, c] @ S + aqk[h, c] @ v_new
+                if ck is not None:
+                    start = ck.chunk_start[c]
+                    k_c = keys[start:start + chunk, h // group]
+                    k_c = np.concatenate([k_c, np.zeros((chunk - len(k_c), head_k))])
+                    for m in range(ck.ck_start[c], ck.ck_start[c] + ck.ck_count[c]):
+                        r = ck.checkpoint_pos[m]
+                        assert r < ck.chunk_len[c]
+                        G_r = G[h, c, r - 1] if r else 0.0 * G[h, c, 0]
+                        decay = np.exp(G_r - G[h, c, :r])  # [r] or [r, K]
+                        k_r = k_c[:r] * (decay if channel else decay[:, None])
+                        ckpt[m, h] = (np.exp(G_r)[:, None] if channel else np.exp(G_r)) * S + k_r.T @ v_new[:r]
+                d = np.exp(decays[h, c])[:, None] if channel else np.exp(decays[h, c, chunk - 1])
+                S = d * S + kd[h, c].T @ v_new
+            end[lane, h] = S
+    if map_mode:
+        return end.astype(np.float32)
+    ckpt = np.full((1, num_v_heads, head_k, head_v), np.nan) if ckpt is None else ckpt
+    return o.astype(o_dtype), end.astype(np.float32), ckpt.astype(np.float32)
+
+
+def emulate_state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, checkpoints=None, *,
+                        per_channel_decay, group, map_mode=False, interpret=False, state_layout="kv"):
+    """`pallas_mosaic_gpu_state.state_lanes` in float64 numpy (fp32 results), through a host callback; "vk":
+    lane_init and every returned state transposed."""
+    del interpret
+    CALLS.append(dict(lanes=lane_first.shape[0], map_mode=map_mode, has_init=lane_init is not None))
+    if state_layout == "vk":
+        kv = lambda x: x.swapaxes(-1, -2)  # noqa: E731
+        lane_init = None if lane_init is None else kv(lane_init)
+        out = emulate_state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, checkpoints,
+                                  per_channel_decay=per_channel_decay, group=group, map_mode=map_mode)
+        CALLS.pop()
+        return kv(out) if map_mode else (out[0], kv(out[1]), kv(out[2]))
+    num_v_heads, num_chunks, chunk, head_k = w.shape
+    head_v = u.shape[-1]
+    lanes = lane_first.shape[0]
+    if map_mode:
+        assert qg is None and aqk is None and lane_init is None and checkpoints is None
+        out = jax.ShapeDtypeStruct((lanes, num_v_heads, head_k, head_k + head_v), jnp.float32)
+    else:
+        num_ckpt = 0 if checkpoints is None else checkpoints.checkpoint_pos.shape[0]
+        out = (jax.ShapeDtypeStruct((num_chunks, chunk, num_v_heads, head_v), w.dtype),
+               jax.ShapeDtypeStruct((lanes, num_v_heads, head_k, head_v), jnp.float32),
+               jax.ShapeDtypeStruct((max(num_ckpt, 1), num_v_heads, head_k, head_v), jnp.float32))
+
+    def host(*args):
+        arrays, ck = args[:9], args[9:]
+        ck = lanes_kernel.Checkpoints(*map(np.asarray, ck)) if ck else None
+        return _lanes_numpy(*map(lambda x: None if x is None else np.asarray(x), arrays), ck,
+                            channel=per_channel_decay, group=group, map_mode=map_mode, o_dtype=w.dtype)
+
+    ck_args = () if checkpoints is None else tuple(checkpoints)
+    return jax.pure_callback(host, out, lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, *ck_args)
+
+
+CALLS = []
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(lanes_kernel, "state_lanes", emulate_state_lanes)
+    CALLS.clear()
+    return CALLS
+
+
+def make_case(rng, *, per_channel, dtype=np.float32):
+    """q, k, v (1 key head, 2 value heads), an initial state on some rows; mild log decays (a few sharp drops) and
+    small betas: a piece's start state still matters at its end (M far from 0), so a wrong join shows."""
+    T, HV = NUM_TOKENS, 2
+    g_shape = (T, HV, HEAD_K) if per_channel else (T, HV)
+    inputs = dict(q=rng.normal(size=(T, 1, HEAD_K)), k=rng.normal(size=(T, 1, HEAD_K)),
+                  v=rng.normal(size=(T, HV, HEAD_V)),
+                  g=-rng.exponential(0.01, size=g_shape) - np.where(rng.random(g_shape) < 0.01, 1.0, 0.0),
+                  beta=rng.uniform(0.02, 0.3, size=(T, HV)))
+    inputs = {name: x.astype(dtype if name in "qkv" else np.float32) for name, x in inputs.items()}
+    num_rows = CU_SEQLENS.size - 1
+    state = rng.normal(size=(num_rows, HV, HEAD_K, HEAD_V)).astype(np.float32)
+    state[[n for n in range(num_rows) if n not in ROWS_WITH_STATE]] = 0.0
+    options = dict(initial_state=state, cu_seqlens=CU_SEQLENS, checkpoint_cu=CHECKPOINT_CU,
+                   checkpoint_offsets=CHECKPOINT_OFFSETS, use_qk_l2norm=True)
+    return inputs, options
+
+
+def reference(inputs, options, *, per_channel):
+    return delta_rule_reference(**inputs, **options, per_channel_decay=per_channel)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["gdn", "kda"])
+def prepared(request):
+    """A case, its float64 reference and the intermediates (`prepare`, `intra_v2` in the HLO interpreter)."""
+    per_channel = request.param
+    inputs, options = make_case(np.random.default_rng(11 + per_channel), per_channel=per_channel)
+    inputs = {name: np.where(np.arange(NUM_TOKENS).reshape(-1, *[1] * (x.ndim - 1)) < CU_SEQLENS[-1], x, np.nan)
+              for name, x in inputs.items()}  # NaN padding: nothing may read it unmasked
+    clean = {name: np.nan_to_num(x) for name, x in inputs.items()}
+    arrays = {name: jnp.asarray(x) for name, x in inputs.items()}
+    meta = {name: jnp.asarray(options[name]) for name in ("cu_seqlens", "checkpoint_cu", "checkpoint_offsets")}
+    p = triton_delta.prepare(**arrays, per_channel_decay=per_channel, scale=None, use_qk_l2norm=True, **meta,
+                             chunk_size=CHUNK, interpret=True)
+    intermediates = triton_delta.intra_v2(p, per_channel_decay=per_channel, chunk_size=CHUNK, interpret=True)
+    o, final, ckpt = reference(clean, options, per_channel=per_channel)
+    return per_channel, p, intermediates, options, (o[:CU_SEQLENS[-1]], final, ckpt[:CHECKPOINT_CU[-1]])
+
+
+def tokens(p, o_chunks):
+    """The chunk-major output [NC, C, HV, V] at the packed tokens of the rows (padding tokens dropped)."""
+    lay = p.lay
+    o = np.asarray(o_chunks).reshape(-1, *o_chunks.shape[2:])[np.asarray(lay.token_chunk * CHUNK + lay.token_pos)]
+    return o[:CU_SEQLENS[-1]]
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 3, 4, 9])
+def test_state_pass_split_matches_float64(prepared, emulated, pieces):
+    per_channel, p, (w, u, kd, qg, aqk), options, (o_ref, final_ref, ckpt_ref) = prepared
+    init = jnp.asarray(options["initial_state"])
+    o, final, ckpt = split.state_pass_split(p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel,
+                                            pieces=pieces)
+    num_rows = CU_SEQLENS.size - 1
+    assert [(c["lanes"], c["map_mode"]) for c in emulated] == (
+        [(num_rows * pieces, False)] if pieces == 1 else [(num_rows * (pieces - 1), True), (num_rows * pieces, False)])
+    num_real = CHECKPOINT_CU[-1]
+    o, final, ckpt = tokens(p, o), np.asarray(final), np.asarray(ckpt)[:num_real]
+    assert np.isfinite(o).all() and np.isfinite(final).all() and np.isfinite(ckpt).all()
+    assert final.shape == final_ref.shape
+    for name, a, r in (("o", o, o_ref), ("final", final, final_ref), ("ckpt", ckpt, ckpt_ref)):
+        assert rel_rms(a, r) < 2e-5, (name, rel_rms(a, r))
+    # row by row: an empty row keeps its initial state, every checkpoint on its own (a piece boundary too)
+    np.testing.assert_allclose(final[0], options["initial_state"][0], atol=0)
+    for m in range(num_real):
+        assert rel_rms(ckpt[m], ckpt_ref[m]) < 2e-5, (m, CHECKPOINT_OFFSETS[m])
+
+
+def test_pieces_agree_with_one_piece(prepared, emulated):
+    # the join is exact: pieces change the results by the fp32 rounding of the maps and the scan only
+    per_channel, p, (w, u, kd, qg, aqk), options, _ = prepared
+    run = lambda pieces, init: split.state_pass_split(p, w, u, kd, qg, aqk, init,  # noqa: E731
+                                                      per_channel_decay=per_channel, pieces=pieces)
+    for init in (jnp.asarray(options["initial_state"]), None):
+        one = run(1, init)
+        four = run(4, init)
+        assert emulated[-2]["map_mode"] and emulated[-1]["has_init"]
+        np.testing.assert_allclose(tokens(p, four[0]), tokens(p, one[0]), rtol=0, atol=2e-5)
+        np.testing.assert_allclose(four[1], one[1], rtol=0, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(four[2])[:CHECKPOINT_CU[-1]], np.asarray(one[2])[:CHECKPOINT_CU[-1]],
+                                   rtol=0, atol=2e-5)
+
+
+def test_split_lanes_properties():
+    counts = np.array([0, 1, 2, 3, 5, 8, 17, 0, 64], np.int32)
+    firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
+    for pieces in (1, 2, 3, 4, 8, 20):
+        lane_first, lane_count = map(np.asarray, split.split_lanes(firsts, counts, pieces=pieces))
+        assert lane_first.shape == lane_count.shape == (counts.size * pieces,)
+        lane_first, lane_count = lane_first.reshape(-1, pieces), lane_count.reshape(-1, pieces)
+        # contiguous, in order, covering each row exactly; balanced to within one chunk
+        np.testing.assert_array_equal(lane_first[:, 0], firsts)
+        np.testing.assert_array_equal(lane_first[:, 1:], lane_first[:, :-1] + lane_count[:, :-1])
+        np.testing.assert_array_equal(lane_count.sum(axis=1), counts)
+        assert (lane_count.max(axis=1) - lane_count.min(axis=1) <= 1).all()
+    # traced metadata, static lane count
+    traced = jax.jit(lambda f, c: split.split_lanes(f, c, pieces=3))(jnp.asarray(firsts), jnp.asarray(counts))
+    np.testing.assert_array_equal(traced[1], split.split_lanes(firsts, counts, pieces=3)[1])
+
+
+def test_choose_pieces_examples():
+    choose = split.choose_pieces
+    # one long row, 16 heads, K = V = 128 on an H200: 32 CTAs; P = 4 is the cost model's best (docstring)
+    assert choose(1, 16, 128, 8192, num_sms=132) == 4
+    assert choose(1, 16, 128, 32768, num_sms=132) == 4
+    # the SMs are already mostly busy: no split
+    assert choose(8, 32, 128, 32768, num_sms=132) == 1
+    assert choose(2, 32, 128, 65536, num_sms=132) == 1
+    # too short to keep 8 chunks per piece
+    assert choose(1, 16, 128, 512, num_sms=132) == 1
+    # 16 chunks: P = 2 fits one wave per pass but saves nothing (8 + 8 steps)
+    assert choose(1, 16, 128, 1024, num_sms=132) == 1
+    # few CTAs: deeper splits pay off; never more than 8
+    assert choose(1, 2, 64, 1 << 20, num_sms=132) == 8
+    assert choose(1, 4, 64, 1 << 20, head_k=128, num_sms=132) == 8
+    # off a GPU the H200's SM count is assumed
+    assert choose(1, 16, 128, 8192) == choose(1, 16, 128, 8192, num_sms=132)
+    for args in [(1, 16, 128, 8192), (3, 8, 64, 30000), (1, 1, 64, 64)]:
+        assert choose(*args, num_sms=132) in (1, 2, 4, 8)
+
+
+def test_tuning_checks():
+    rng = np.random.default_rng(5)
+    inputs, _ = make_case(rng, per_channel=False, dtype=ml_dtypes.bfloat16)
+    inputs = dict({name: jnp.asarray(x) for name, x in inputs.items()},
+                  q=jnp.zeros((NUM_TOKENS, 1, 64), jnp.bfloat16), k=jnp.zeros((NUM_TOKENS, 1, 64), jnp.bfloat16),
+                  v=jnp.zeros((NUM_TOKENS, 2, 64), jnp.bfloat16))
+    ok = lambda **tuning: gdn_mosaic.supports(**inputs, interpret=True, **tuning)  # noqa: E731
+    assert ok() is None and ok(state="v1") is None and ok(state="v2") is None
+    assert ok(state="v2", pieces=4) is None and ok(state="v2", pieces="auto") is None
+    assert ok(state="v1", pieces=1) is None
+    assert "state must be one of" in ok(state="v3")
+    for bad in (0, -2, 2.0, True, "4", None):
+        assert "pieces must be an int >= 1 or 'auto'" in ok(state="v2", pieces=bad), bad
+    for pieces in (2, "auto"):
+        reason = ok(pieces=pieces)
+        assert reason.startswith("tuning:") and "needs state='v2'" in reason, reason
+    with pytest.raises(ValueError, match="needs state='v2'"):
+        gdn_mosaic.gated_delta_rule(**inputs, interpret=True, pieces=2)
+    assert {"state", "pieces"} <= set(mosaic_delta.TUNING_KEYS)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_delta_rule_mosaic_state_v2_wiring(emulated, per_channel):
+    # the public pipeline's wiring with the emulated kernel: state "v2" with pieces and "auto", "vk" layout, bf16
+    rng = np.random.default_rng(21 + per_channel)
+    inputs, options = make_case(rng, per_channel=per_channel, dtype=ml_dtypes.bfloat16)
+    options["initial_state"] = options["initial_state"].swapaxes(-1, -2).copy()
+    expected = reference(inputs, dict(options, state_layout="vk"), per_channel=per_channel)
+    arrays = {name: jnp.asarray(x) for name, x in inputs.items()}
+    meta = {name: jnp.asarray(x) for name, x in options.items() if name != "use_qk_l2norm"}
+    for pieces in (3, "auto"):
+        emulated.clear()
+        got = mosaic_delta.delta_rule_mosaic(**arrays, **meta, per_channel_decay=per_channel, use_qk_l2norm=True,
+                                             state_layout="vk", interpret=True, state="v2", pieces=pieces)
+        # "auto" on 5 short rows, 2 heads: too few chunks per row for a split
+        assert [c["map_mode"] for c in emulated] == ([True, False] if pieces == 3 else [False])
+        for name, a, r in zip(("o", "final", "ckpt"), got, expected):
+            a = np.asarray(a, np.float32)
+            assert a.shape == r.shape and np.isfinite(a).all(), name
+            assert rel_rms(a, r) < 6e-3, (name, pieces, rel_rms(a, r))  # the bf16 class
+        assert not np.asarray(got[0], np.float32)[CU_SEQLENS[-1]:].any()
+        assert not np.asarray(got[2])[CHECKPOINT_CU[-1]:].any()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("op,pieces", [("gdn", 2), ("kda", 4)])
+def test_public_entry_state_v2_pieces_in_the_interpreter(op, pieces):
+    # the real lanes kernel in Mosaic GPU's interpreter through the public entry, at its sizes (K = V = 64): row 1 has
+    # 3 chunks and a checkpoint on the P = 2 piece boundary (128); with P = 4 every row has empty pieces
+    rng = np.random.default_rng(31)
+    T, HV, D = 200, 2, 64
+    cu = np.array([0, 1, 150, 190], np.int32)
+    g_shape = (T, HV, D) if op == "kda" else (T, HV)
+    inputs = dict(q=rng.normal(size=(T, 1, D)), k=rng.normal(size=(T, 1, D)), v=rng.normal(size=(T, HV, D)),
+                  g=-rng.exponential(0.1, size=g_shape), beta=rng.uniform(0.05, 0.95, size=(T, HV)))
+    inputs = {name: x.astype(ml_dtypes.bfloat16 if name in "qkv" else np.float32) for name, x in inputs.items()}
+    state = rng.normal(size=(3, HV, D, D)).astype(np.float32)
+    state[0] = 0.0
+    options = dict(initial_state=state, cu_seqlens=cu, checkpoint_cu=np.array([0, 0, 3, 4], np.int32),
+                   checkpoint_offsets=np.array([1, 64, 128, 20], np.int32), use_qk_l2norm=True)
+    entry = ops.kda if op == "kda" else ops.gated_delta_rule
+    expected = entry(**inputs, **options, implementation="reference")
+    try:
+        got = entry(**{name: jnp.asarray(x) for name, x in inputs.items()}, **options,
+                    implementation="pallas_mosaic_gpu",
+                    kernel_options={"state": "v2", "pieces": pieces, "interpret": True})
+    except NotImplementedError as error:
+        if "not written" not in str(error):
+            raise
+        pytest.skip("pallas_mosaic_gpu_state.state_lanes: kernel not written yet")
+    for name, a, r in zip(("o", "final", "ckpt"), got, expected):
+        a = np.asarray(a, np.float32)
+        assert a.shape == r.shape and np.isfinite(a).all(), name
+        assert rel_rms(a, r) < 6e-3, (name, rel_rms(a, r))
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_split_lowers_for_sm90(per_channel):
+    # both passes (map and main, checkpoints included) lower for sm_90 at a real shape, (1, 8192, 16) K = V = 128,
+    # without a GPU; the Triton cumsum and intra launches are left out (their lowering needs a GPU device)
+    from jax import export
+
+    from jaxckpt.plan.layout import chunk_layout
+
+    T, H, D = 8192, 16, 128
+    NC = T // CHUNK + 1
+    arg = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+
+    def fn(cu, ccu, offsets, q, k, G, w, u, kd, qg, aqk, init):
+        lay = chunk_layout(cu, ccu, offsets, chunk_size=CHUNK, num_tokens=T, xp=jnp)
+        p = triton_delta.Prepared(q, k, None, None, G, lay, cu, ccu, 1.0, bf)
+        return split.state_pass_split(p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel, pieces=4)
+
+    tile = lambda width: arg((H, NC, CHUNK, width), bf)  # noqa: E731
+    args = (arg((2,), jnp.int32), arg((2,), jnp.int32), arg((3,), jnp.int32), arg((T, H, D), bf), arg((T, H, D), bf),
+            arg((H, NC, CHUNK, D) if per_channel else (H, NC, CHUNK), jnp.float32), tile(D), tile(D), tile(D),
+            tile(D), tile(CHUNK), arg((1, H, D, D), jnp.float32))
+    module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+    assert "delta_state_lanes_map" in module and "delta_state_lanes" in module.replace("delta_state_lanes_map", "")
