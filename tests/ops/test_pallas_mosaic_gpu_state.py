@@ -146,7 +146,7 @@ def check_lanes(seed, actual, expected, *, state_tol=STATE_TOL):
         assert rel_rms(ckpts[m], ckpts_ref[m]) <= state_tol, (seed, m, rel_rms(ckpts[m], ckpts_ref[m]))
 
 
-@pytest.mark.parametrize("channel, tuning", [(False, {}), (True, {}), (False, dict(stages=2, publish_slots=1))],
+@pytest.mark.parametrize("channel, tuning", [(False, {}), (True, {}), (False, dict(stages=2, publish_slots=2))],
                          ids=["gdn", "kda", "gdn-2-stages-1-publish-slot"])
 def test_lanes_against_float64(channel, tuning):
     seed = int(np.random.SeedSequence().entropy % 2**31)

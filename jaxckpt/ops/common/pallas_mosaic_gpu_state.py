@@ -53,7 +53,9 @@ kr tiles 2 x 16 KB (only with checkpoints): 217 KB of the 227 KB (185 KB without
 take 4 slots. Tuning, untested on the GPU when written: a 2-slot ring leaves one chunk period (the chain, well
 under a microsecond) to hide a load's latency; `publish_slots=1` single-buffers the published tiles (the state
 warpgroup then waits for the output warpgroup's previous chunk before publishing) and so fits 3 slots at K = 128
-without checkpoints (226 KB); `stages` forces a depth. Each waiter observes every phase of its barriers before the
+without checkpoints (226 KB); `stages` forces a depth. Measured on the H200 (`bench/results/mosaic_gpu_state_h200.log`):
+the chain step is ~1.65 us (version 1: 2.5 us); `publish_slots=1`, the default, was faster in 6 of 8 cases (KDA with
+8 checkpoints per row at 8K: 0.452 vs 0.566 ms; GDN (8, 4096, 32): 0.438 vs 0.449 ms; +-4% elsewhere). Each waiter observes every phase of its barriers before the
 CTA ends (the `drain` loops): the interpreter checks it when a barrier is deallocated.
 
 Interpret mode: Mosaic GPU's interpreter (jax 0.11.2) reads a wgmma's A operand only from SMEM, so under
@@ -384,7 +386,7 @@ def _checkpoint_keys(checkpoints, num_ckpt, chunk):
 
 
 def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, checkpoints=None, *, per_channel_decay,
-                group, map_mode=False, interpret=False, state_layout="kv", stages=None, publish_slots=2):
+                group, map_mode=False, interpret=False, state_layout="kv", stages=None, publish_slots=1):
     """The state pass over L lanes.
 
     lane_first, lane_count  # i32[L]: lane l walks chunks lane_first[l], ..., lane_first[l] + lane_count[l] - 1
@@ -486,7 +488,7 @@ def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ch
     return o, kv(lane_end), kv(checkpoint_states)
 
 
-def state_pass_v2(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False, stages=None, publish_slots=2):
+def state_pass_v2(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False, stages=None, publish_slots=1):
     """`pallas_mosaic_gpu_delta.state_pass` (same arguments and results) on `state_lanes`, one lane per row;
     `stages`, `publish_slots` tune `state_lanes`."""
     lay, chunk = p.lay, CHUNK
