@@ -2,6 +2,8 @@
 one long row at (1, 8192, 16) K = V = 128, bf16, with an initial state and checkpoints (on the piece boundaries of
 P = 2 and 4, inside chunks, at 1 and len - 1), for P = 1, 2, 4 and "auto", against float64 and against the version 1
 state pass; and varlen rows off the 8-row TMA tile grid with P = 3 (rows shorter than P chunks: empty pieces).
+The fused GDN pass (`{"state": "fused", "pieces": P}`: `gdn_kkt`, then `gdn_fused_lanes` in the same split) on
+the same long row for P = 1, 4 and "auto" and on the varlen rows with P = 3, against float64 and state "v1".
 This is where the map pass's tensor-core rounding (16-bit hi + lo products over the columns of [I | 0]) meets the
 scan; the CPU tests (tests/ops/test_pallas_mosaic_gpu_split.py) check the split's algebra and the interpreter.
 
@@ -16,6 +18,8 @@ pytestmark = pytest.mark.gpu
 
 BF16_TOL = 6e-3  # tests/vectors/loader.py's "bf16" class (rel-RMS)
 AGREE_TOL = 2e-3  # against state "v1": the same intermediates, a different order of the fp32 products
+# state "fused" against "v1": different intermediates (no bf16 W, U), so they differ by about v1's own error
+FUSED_AGREE_TOL = BF16_TOL
 LENGTH = 8192
 # 1, inside chunks, P = 4's boundaries (2048, 6144), P = 2's and 4's (4096), len - 1
 OFFSETS = (1, 100, 2048, 3000, 4096, 6144, 8191)
@@ -112,6 +116,46 @@ def test_varlen_rows_off_the_tile_grid_three_pieces(op):
         print(f"{op} rows {lengths} state v2 pieces=3 {name}: rel-RMS {err:.2e} vs float64, {agree:.2e} vs v1")
         assert np.isfinite(np.asarray(a, np.float32)).all() and err < BF16_TOL and agree < AGREE_TOL, name
     # token by token against v1 (the same intermediates): a piece whose output tiles went astray shows as a block
+    o, o_v1 = np.asarray(got[0], np.float64), np.asarray(v1[0], np.float64)
+    token_err = np.sqrt(np.mean((o - o_v1) ** 2, axis=(1, 2)))
+    bad = np.flatnonzero(token_err > 0.02 * np.sqrt(np.mean(o_v1 ** 2)))
+    assert not bad.size, f"tokens {bad[:16].tolist()} ({bad.size} in all) differ from state v1"
+
+
+@pytest.mark.parametrize("pieces", [1, 4, "auto"])
+def test_long_row_state_fused_against_float64_and_v1(long_row, pieces):
+    op, fn, (bf, g, beta, meta), expected, v1 = long_row
+    if op == "kda":
+        with pytest.raises(ValueError, match="fused GDN pass"):
+            fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu", kernel_options={"state": "fused"})
+        return
+    got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu",
+             kernel_options={"state": "fused", "pieces": pieces})
+    failures = []
+    for name, a, e, b in zip(("o", "final", "checkpoints"), got, expected, v1):
+        err, agree = rel_rms(a, e), rel_rms(a, b)
+        print(f"gdn (1, {LENGTH}, 16) state fused pieces={pieces} {name}: rel-RMS {err:.2e} vs float64, {agree:.2e} "
+              f"vs state v1 (v1 vs float64 {rel_rms(b, e):.2e})")
+        if not (np.isfinite(np.asarray(a, np.float32)).all() and err < BF16_TOL and agree < FUSED_AGREE_TOL):
+            failures.append(f"{name}: {err:.2e} vs float64, {agree:.2e} vs v1")
+    for m, offset in enumerate(OFFSETS):
+        err = rel_rms(got[2][m], expected[2][m])
+        if not err < BF16_TOL:
+            failures.append(f"checkpoint at {offset}: {err:.2e} vs float64")
+    assert not failures, "\n".join(failures)
+
+
+def test_varlen_rows_off_the_tile_grid_state_fused_three_pieces():
+    fn, reference = entries("gdn")
+    lengths, offsets = ROWS
+    bf, g, beta, meta = make_case("gdn", np.random.default_rng(23), lengths, offsets)
+    expected = reference(*(np.asarray(a, np.float32) for a in bf), g, beta, **meta)
+    v1 = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu")
+    got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu", kernel_options={"state": "fused", "pieces": 3})
+    for name, a, e, b in zip(("o", "final", "checkpoints"), got, expected, v1):
+        err, agree = rel_rms(a, e), rel_rms(a, b)
+        print(f"gdn rows {lengths} state fused pieces=3 {name}: rel-RMS {err:.2e} vs float64, {agree:.2e} vs v1")
+        assert np.isfinite(np.asarray(a, np.float32)).all() and err < BF16_TOL and agree < FUSED_AGREE_TOL, name
     o, o_v1 = np.asarray(got[0], np.float64), np.asarray(v1[0], np.float64)
     token_err = np.sqrt(np.mean((o - o_v1) ** 2, axis=(1, 2)))
     bad = np.flatnonzero(token_err > 0.02 * np.sqrt(np.mean(o_v1 ** 2)))

@@ -1,7 +1,8 @@
 """The sequence split of the Mosaic GPU state pass (`pallas_mosaic_gpu_split`): the split logic with the lanes kernel
 replaced by a float64 numpy emulator of its contract, against the float64 token-by-token references; `split_lanes`,
 `choose_pieces` and the tuning checks; and, once `pallas_mosaic_gpu_state.state_lanes` is written, the public GDN
-entry with the real kernel in Mosaic GPU's interpreter.
+entry with the real kernel in Mosaic GPU's interpreter. State "fused" (the fused GDN kernels in the same split):
+the public entry in the interpreter for P = 1, 2, 3 against float64, its declines, and its sm_90 lowering.
 
 The emulator (`emulate_state_lanes`) follows `state_lanes`' docstring literally, map mode included (the same
 recurrence over the columns of [I | 0] with U replaced by [0 | U]); it poisons everything the contract leaves
@@ -23,6 +24,7 @@ from jaxckpt.ops.common import pallas_mosaic_gpu_state as lanes_kernel
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
 from jaxckpt.ops.common.delta_reference import delta_rule_reference
 from jaxckpt.ops.gdn import pallas_mosaic_gpu as gdn_mosaic
+from jaxckpt.ops.kda import pallas_mosaic_gpu as kda_mosaic
 
 CHUNK = 64
 # rows of 0, 1, 37 (a partial chunk), 330 (5 full chunks and 10 tokens) and 129 tokens, then 7 padding tokens.
@@ -262,7 +264,8 @@ def test_tuning_checks():
                   q=jnp.zeros((NUM_TOKENS, 1, 64), jnp.bfloat16), k=jnp.zeros((NUM_TOKENS, 1, 64), jnp.bfloat16),
                   v=jnp.zeros((NUM_TOKENS, 2, 64), jnp.bfloat16))
     ok = lambda **tuning: gdn_mosaic.supports(**inputs, interpret=True, **tuning)  # noqa: E731
-    assert ok() is None and ok(state="v1") is None and ok(state="v2") is None
+    assert ok() is None and ok(state="v1") is None and ok(state="v2") is None and ok(state="fused") is None
+    assert ok(state="fused", pieces=3) is None and ok(state="fused", pieces="auto", num_stages=3) is None
     assert ok(state="v2", pieces=4) is None and ok(state="v2", pieces="auto") is None
     assert ok(state="v1", pieces=1) is None
     assert "state must be one of" in ok(state="v3")
@@ -270,7 +273,7 @@ def test_tuning_checks():
         assert "pieces must be an int >= 1 or 'auto'" in ok(state="v2", pieces=bad), bad
     for pieces in (2, "auto"):
         reason = ok(pieces=pieces)
-        assert reason.startswith("tuning:") and "needs state='v2'" in reason, reason
+        assert reason.startswith("tuning:") and "needs state='v2' or 'fused'" in reason, reason
     with pytest.raises(ValueError, match="needs state='v2'"):
         gdn_mosaic.gated_delta_rule(**inputs, interpret=True, pieces=2)
     assert {"state", "pieces"} <= set(mosaic_delta.TUNING_KEYS)
@@ -355,3 +358,95 @@ def test_split_lowers_for_sm90(per_channel):
             tile(D), tile(CHUNK), arg((1, H, D, D), jnp.float32))
     module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
     assert "delta_state_lanes_map" in module and "delta_state_lanes" in module.replace("delta_state_lanes_map", "")
+
+
+def test_state_fused_declines():
+    # KDA (per-channel decay), the intra options it replaces, and whatever the fused kernels decline
+    T, D = 128, 64
+    bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)  # noqa: E731
+    q, v, beta = bf(T, 1, D), bf(T, 2, D), jnp.zeros((T, 2), jnp.float32)
+    reason = kda_mosaic.supports(q, q, v, jnp.zeros((T, 2, D), jnp.float32), beta, interpret=True, state="fused")
+    assert reason.startswith("tuning: state='fused' is the fused GDN pass") and "KDA" in reason, reason
+    assert kda_mosaic.supports(q, q, v, jnp.zeros((T, 2, D), jnp.float32), beta, interpret=True, state="v2") is None
+    gdn = lambda **tuning: gdn_mosaic.supports(q, q, v, beta, beta, **tuning)  # noqa: E731
+    for option in ({"intra": "mosaic_gpu"}, {"intra": "pallas_triton"}, {"kda_diag": "doubling"}):
+        reason = gdn(interpret=True, state="fused", **option)
+        assert reason.startswith("tuning:") and "state='fused' replaces" in reason, (option, reason)
+    # off a GPU without the interpreter: the fused kernels' own reason comes through
+    assert gdn(state="fused").startswith("state pass (fused): backend"), gdn(state="fused")
+    with pytest.raises(ValueError, match="not KDA"):
+        mosaic_delta.delta_rule_mosaic(q, q, v, jnp.zeros((T, 2, D)), beta, per_channel_decay=True, interpret=True,
+                                       state="fused")
+
+
+# rows of 1, 0, 149 (3 chunks: 64, 64, 21) and 40 tokens, then 10 NaN padding tokens. Row 2's checkpoints: inside its
+# first chunk (1), on the piece boundaries of P = 2 (64) and P = 3 (64, 128: chunk position 0, the piece's start
+# state) and in its partial last chunk (148); row 3's at 20. With P = 2, 3 rows 0, 1 and 3 have empty pieces.
+FUSED_CU = np.array([0, 1, 1, 150, 190], np.int32)
+FUSED_CKPT_CU = np.array([0, 0, 0, 4, 5], np.int32)
+FUSED_OFFSETS = np.array([1, 64, 128, 148, 20, 0], np.int32)  # one padded entry
+
+
+@pytest.fixture(scope="module")
+def fused_case():
+    rng = np.random.default_rng(41)
+    T, HV, D = 200, 2, 64
+    inputs = dict(q=rng.normal(size=(T, 1, D)), k=rng.normal(size=(T, 1, D)), v=rng.normal(size=(T, HV, D)),
+                  g=-rng.exponential(0.02, size=(T, HV)), beta=rng.uniform(0.05, 0.95, size=(T, HV)))
+    inputs = {name: x.astype(ml_dtypes.bfloat16 if name in "qkv" else np.float32) for name, x in inputs.items()}
+    state = rng.normal(size=(4, HV, D, D)).astype(np.float32)
+    state[2] = 0.0  # the long row starts from zeros, the empty row from a state it must keep
+    options = dict(initial_state=state, cu_seqlens=FUSED_CU, checkpoint_cu=FUSED_CKPT_CU,
+                   checkpoint_offsets=FUSED_OFFSETS, use_qk_l2norm=True)
+    expected = ops.gated_delta_rule(**inputs, **options, implementation="reference")
+    padded = np.arange(T) >= FUSED_CU[-1]
+    poisoned = {name: jnp.asarray(np.where(padded.reshape(-1, *[1] * (x.ndim - 1)), np.nan, x).astype(x.dtype))
+                for name, x in inputs.items()}  # NaN padding: nothing may read it unmasked
+    return poisoned, options, expected
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("pieces", [1, 2, 3])
+def test_public_entry_state_fused_in_the_interpreter(fused_case, pieces):
+    # the fused kernels (`gdn_kkt`, `gdn_fused_lanes`, map mode for P > 1) in Mosaic GPU's interpreter through the
+    # public entry, against float64
+    inputs, options, expected = fused_case
+    got = ops.gated_delta_rule(**inputs, **options, implementation="pallas_mosaic_gpu",
+                               kernel_options={"state": "fused", "pieces": pieces, "interpret": True})
+    num_ckpt = FUSED_CKPT_CU[-1]
+    for name, a, r in zip(("o", "final", "ckpt"), got, expected):
+        a = np.asarray(a, np.float32)
+        assert a.shape == r.shape and np.isfinite(a).all(), name
+        assert rel_rms(a, r) < 6e-3, (name, pieces, rel_rms(a, r))  # the bf16 class
+    o, final, ckpt = (np.asarray(x, np.float32) for x in got)
+    assert not o[FUSED_CU[-1]:].any() and not ckpt[num_ckpt:].any()  # padding tokens and entries zero
+    # the empty row keeps its initial state through the maps' identity; each checkpoint on its own, the piece
+    # boundaries (the scan's start states) included
+    np.testing.assert_allclose(final[1], options["initial_state"][1], rtol=0, atol=1e-6)
+    for m in range(num_ckpt):
+        assert rel_rms(ckpt[m], expected[2][m]) < 6e-3, (m, FUSED_OFFSETS[m], rel_rms(ckpt[m], expected[2][m]))
+
+
+def test_fused_split_lowers_for_sm90():
+    # `gdn_kkt` and both fused passes (map and main, checkpoints included) lower for sm_90 at a real shape,
+    # (1, 8192, 16) K = V = 128, without a GPU; the Triton cumsum launch is left out (its lowering needs a GPU)
+    from jax import export
+
+    from jaxckpt.plan.layout import chunk_layout
+
+    T, H, D = 8192, 16, 128
+    NC = T // CHUNK + 1
+    arg = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+
+    def fn(cu, ccu, offsets, q, k, v, beta, G, init):
+        lay = chunk_layout(cu, ccu, offsets, chunk_size=CHUNK, num_tokens=T, xp=jnp)
+        p = triton_delta.Prepared(q, k, v, beta, G, lay, cu, ccu, 0.1, bf)
+        return split.fused_pass_split(p, init, pieces=4)
+
+    args = (arg((2,), jnp.int32), arg((2,), jnp.int32), arg((3,), jnp.int32), arg((T, H, D), bf), arg((T, H, D), bf),
+            arg((T, H, D), bf), arg((T, H), jnp.float32), arg((H, NC, CHUNK), jnp.float32),
+            arg((1, H, D, D), jnp.float32))
+    module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+    assert "gdn_kkt_mosaic_gpu" in module and "gdn_fused_lanes_map" in module
+    assert "gdn_fused_lanes" in module.replace("gdn_fused_lanes_map", "")

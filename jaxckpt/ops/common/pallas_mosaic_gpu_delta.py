@@ -12,6 +12,11 @@ intra launches (Pallas Triton lowering, `pallas_triton_delta.prepare` / `intra_v
     v_new = U_c - W_c S;   O_c = QG_c S + AQK_c v_new;   S <- exp(G_last) S + KD_c^T v_new
     (KDA: exp(G_last) is a [K] vector scaling the rows of S.)
 
+That is state "v1", the default. State "v2" runs the state pass as the lanes kernel (`pallas_mosaic_gpu_state`,
+optionally with each row split into pieces: `pallas_mosaic_gpu_split`); state "fused" (GDN only) replaces both the
+intra launches and the state pass with `pallas_mosaic_gpu_gdn_fused` (`gdn_kkt`, then a state loop forming the intra
+products per chunk), with the same split (`pallas_mosaic_gpu_split.fused_pass_split`). The cumsum launch is shared.
+
 Design (one CTA of one warpgroup, doing all of the below, per grid point (row, value head, V / 64)):
 - The warpgroup carries S in fp32 registers (WGMMA layout) through the row's chunks. wgmma takes 16-bit operands
   from SMEM, so every chunk it writes S as an unevaluated sum S_hi + S_lo of two 16-bit tiles (S_hi = S rounded,
@@ -73,6 +78,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as gdn_fused
 from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mosaic_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mosaic_kda_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_split as mosaic_split
@@ -83,10 +89,12 @@ HEAD_DIMS = (64, 128)
 BLOCK_V = 64
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 INTRA = ("pallas_triton", "mosaic_gpu")
-STATES = ("v1", "v2")
+STATES = ("v1", "v2", "fused")
 TUNING_KEYS = ("intra", "intra_num_warps", "num_stages", "kda_intra", "kda_diag", "kda_block_k", "state", "pieces",
                "kda_score_parts")
 _INTRA_TUNING = ("intra_num_warps", "num_stages", "kda_intra", "kda_diag", "kda_block_k")
+# state "fused" forms the intra products itself (`gdn_kkt` and the lanes loop); the cumsum launch keeps its tuning
+_NOT_FUSED = ("intra", "kda_intra", "kda_diag", "kda_block_k", "kda_score_parts")
 _F32 = jnp.float32
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
@@ -105,8 +113,8 @@ def _state_reason(state, pieces) -> str | None:
         return f"tuning: state must be one of {STATES}, got {state!r}"
     if pieces != "auto" and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
         return f"tuning: pieces must be an int >= 1 or 'auto', got {pieces!r}"
-    if pieces != 1 and state != "v2":
-        return (f"tuning: pieces={pieces!r} needs state='v2' (the lanes kernel splits rows into pieces; "
+    if pieces != 1 and state == "v1":
+        return (f"tuning: pieces={pieces!r} needs state='v2' or 'fused' (the lanes kernels split rows into pieces; "
                 f"state={state!r} runs whole rows)")
     return None
 
@@ -121,6 +129,17 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
     reason = _state_reason(tuning.get("state", STATES[0]), tuning.get("pieces", 1))
     if reason is not None:
         return reason
+    if tuning.get("state") == "fused":
+        if g.ndim == 3:
+            return ("tuning: state='fused' is the fused GDN pass (a scalar decay per token); KDA's per-channel decay "
+                    "needs state 'v1' or 'v2'")
+        given = sorted(set(tuning) & set(_NOT_FUSED))
+        if given:
+            return f"tuning: {given} tune the intra pass, which state='fused' replaces with its own kernels"
+        if chunk_size == CHUNK:
+            reason = gdn_fused.supports(q, k, v, beta, interpret=interpret)
+            if reason is not None:
+                return f"state pass (fused): {reason}"
     if chunk_size != CHUNK:
         return f"chunk_size: the Mosaic GPU state pass runs {CHUNK}-token chunks (wgmma tiles), got {chunk_size!r}"
     if q.ndim != 3 or v.ndim != 3:
@@ -416,9 +435,13 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     every kernel on CPU; a `plgpu.InterpretGPUParams` (e.g. detect_races=True) does too, with those settings for the
     Mosaic GPU interpreter.
     `state`: the state pass, "v1" (`state_pass`: one CTA per row, value head and V / 64) or "v2" (the lanes kernel,
-    `pallas_mosaic_gpu_state.state_lanes`, through `pallas_mosaic_gpu_split.state_pass_split`); `pieces` (state "v2"
-    only): each row cut into that many pieces run in parallel and joined exactly by their affine state maps, or
-    "auto" for `pallas_mosaic_gpu_split.choose_pieces` (1 unless the plain pass leaves most SMs idle).
+    `pallas_mosaic_gpu_state.state_lanes`, through `pallas_mosaic_gpu_split.state_pass_split`) or, GDN only,
+    "fused" (`pallas_mosaic_gpu_gdn_fused`: `gdn_kkt` and then the fused state loop `gdn_fused_lanes`, which forms
+    the intra products itself and never writes w, u, kd, qg, aqk; through `pallas_mosaic_gpu_split.fused_pass_split`;
+    it replaces the intra pass, so `intra` and the KDA intra options are rejected with it, while intra_num_warps and
+    num_stages still tune the cumsum launch); `pieces` (states "v2" and "fused"): each row cut into that many pieces
+    run in parallel and joined exactly by their affine state maps (1: the plain pass over whole rows), or "auto" for
+    `pallas_mosaic_gpu_split.choose_pieces` (1 unless the plain pass leaves most SMs idle).
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padding tokens and padded checkpoint entries are zeros.
@@ -428,36 +451,43 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     reason = _state_reason(state, pieces)
     if reason is not None:
         raise ValueError(reason)
+    if state == "fused" and per_channel_decay:
+        raise ValueError("state: 'fused' is the fused GDN pass (a scalar decay per token), not KDA's")
     num_tokens = q.shape[0]
     triton_interpret = bool(interpret)  # the Triton kernels take the HLO interpreter, whatever the Mosaic GPU one
     p = triton_delta.prepare(q, k, v, g, beta, per_channel_decay=per_channel_decay, scale=scale,
                              use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
                              checkpoint_offsets=checkpoint_offsets, chunk_size=chunk_size, interpret=triton_interpret,
                              intra_num_warps=intra_num_warps, num_stages=num_stages)
-    if intra == "mosaic_gpu":
-        intra_kernel = mosaic_kda_intra.kda_intra if per_channel_decay else mosaic_intra.gdn_intra
-        mosaic_tuning = {} if kda_score_parts is None else {"score_parts": kda_score_parts}
-        w, u, kd, qg, aqk = intra_kernel(p.lay.chunk_start, p.lay.chunk_len, p.q, p.k, p.v, p.beta, p.G,
-                                         chunk=chunk_size, group=p.v.shape[1] // p.q.shape[1], scale=p.scale,
-                                         interpret=interpret, **mosaic_tuning)
-    else:
-        w, u, kd, qg, aqk = triton_delta.intra_v2(p, per_channel_decay=per_channel_decay, chunk_size=chunk_size,
-                                                  interpret=triton_interpret, intra_num_warps=intra_num_warps,
-                                                  num_stages=num_stages, kda_intra=kda_intra, kda_diag=kda_diag,
-                                                  kda_block_k=kda_block_k)
     init = None
     if initial_state is not None:
         init = initial_state.astype(_F32)
         init = init.swapaxes(-1, -2) if state_layout == "vk" else init
-    if state == "v1":
-        o_chunks, final_state, checkpoint_states = state_pass(p, w, u, kd, qg, aqk, init,
-                                                              per_channel_decay=per_channel_decay, interpret=interpret)
+    if pieces == "auto":
+        pieces = mosaic_split.choose_pieces(p.cu_seqlens.shape[0] - 1, v.shape[1], v.shape[2], num_tokens,
+                                            head_k=q.shape[2])
+    if state == "fused":
+        o_chunks, final_state, checkpoint_states = mosaic_split.fused_pass_split(p, init, pieces=pieces,
+                                                                                 interpret=interpret)
     else:
-        if pieces == "auto":
-            pieces = mosaic_split.choose_pieces(p.cu_seqlens.shape[0] - 1, v.shape[1], v.shape[2], num_tokens,
-                                                head_k=q.shape[2])
-        o_chunks, final_state, checkpoint_states = mosaic_split.state_pass_split(
-            p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel_decay, pieces=pieces, interpret=interpret)
+        if intra == "mosaic_gpu":
+            intra_kernel = mosaic_kda_intra.kda_intra if per_channel_decay else mosaic_intra.gdn_intra
+            mosaic_tuning = {} if kda_score_parts is None else {"score_parts": kda_score_parts}
+            w, u, kd, qg, aqk = intra_kernel(p.lay.chunk_start, p.lay.chunk_len, p.q, p.k, p.v, p.beta, p.G,
+                                             chunk=chunk_size, group=p.v.shape[1] // p.q.shape[1], scale=p.scale,
+                                             interpret=interpret, **mosaic_tuning)
+        else:
+            w, u, kd, qg, aqk = triton_delta.intra_v2(p, per_channel_decay=per_channel_decay, chunk_size=chunk_size,
+                                                      interpret=triton_interpret, intra_num_warps=intra_num_warps,
+                                                      num_stages=num_stages, kda_intra=kda_intra, kda_diag=kda_diag,
+                                                      kda_block_k=kda_block_k)
+        if state == "v1":
+            o_chunks, final_state, checkpoint_states = state_pass(p, w, u, kd, qg, aqk, init,
+                                                                  per_channel_decay=per_channel_decay,
+                                                                  interpret=interpret)
+        else:
+            o_chunks, final_state, checkpoint_states = mosaic_split.state_pass_split(
+                p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel_decay, pieces=pieces, interpret=interpret)
     lay = p.lay
     # tokens from their chunks' rows in one gather; padding tokens (pointing at chunk 0, maybe never written) and
     # padded CSR entries zeroed by a select

@@ -37,17 +37,28 @@ per piece on average so the per-lane start (TMA prologue, initial load) stays sm
 (1, 8192, 16) K = V = 128 on 132 SMs: P = 1 costs 128 steps, P = 2 64 + 64 (one wave each: no gain), P = 4
 2 * 32 + 32 = 96, P = 8 4 * 16 + 2 * 16 = 96: P = 4.
 
+The fused GDN pass (`fused_pass_split`, state "fused"): the same plan, scan and passes over
+`pallas_mosaic_gpu_gdn_fused.gdn_fused_lanes`, which keeps the lanes contract (a lane: contiguous chunks from a start
+state; map_mode: [M | E] of the same recurrence over the column blocks of [I | 0] with v -> [0 | v]) on `gdn_kkt`'s
+chunk-major q, k, v, T0 and beta, computed once for both passes. `_split` holds the plan and the scan; each kernel
+enters through a small lanes runner that speaks the split's transposed "vk" states. The fused kernel takes and
+returns [.., K, V] states and [M | E] maps but transposes them to its own [.., V, K] at its boundary, so the
+runner's transposes meet the kernel's and XLA folds each pair away. Its map pass has the same CTA count and lane
+lengths as the lanes kernel's, so `choose_pieces` serves both.
+
 Shapes are static in (N, P, NC): the lane arrays are traced from the chunk layout, so cu_seqlens may be traced.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as gdn_fused
 from jaxckpt.ops.common import pallas_mosaic_gpu_state as lanes_kernel
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
 
@@ -121,6 +132,30 @@ def _piece_starts(maps, init):
     return jnp.stack(starts, axis=1)
 
 
+def _split(lay, init, run_lanes, *, pieces):
+    """The plan, the map pass, the scan and the main pass (module docstring, steps 1-3) over one lanes kernel.
+
+    run_lanes(lane_first, lane_count, lane_init, *, map_mode): the kernel over those lanes with every state in the
+    transposed "vk" layout: lane_init fp32 [L, HV, V, K] or None; map_mode gives [M | E]^T fp32 [L, HV, K + V, K],
+    else (o chunk-major, lane ends [L, HV, V, K], checkpoints [max(M, 1), HV, V, K]).
+    init    # fp32 [N, HV, K, V] or None (zeros)
+    Returns (o, final fp32 [N, HV, K, V], checkpoints fp32 [max(M, 1), HV, K, V]).
+    """
+    num_rows = lay.row_first_chunk.shape[0]
+    lane_first, lane_count = split_lanes(lay.row_first_chunk, lay.row_num_chunks, pieces=pieces)
+    lane_init = None if init is None else init.swapaxes(-1, -2)  # [N, HV, V, K]
+    if pieces > 1:
+        # the last piece of each row needs no map
+        leading = lambda x: x.reshape(num_rows, pieces)[:, :-1].reshape(-1)  # noqa: E731
+        maps = run_lanes(leading(lane_first), leading(lane_count), None, map_mode=True)
+        maps = maps.reshape(num_rows, pieces - 1, *maps.shape[1:])
+        lane_init = _piece_starts(maps, lane_init)
+        lane_init = lane_init.reshape(num_rows * pieces, *lane_init.shape[2:])
+    o, lane_end, checkpoint_states = run_lanes(lane_first, lane_count, lane_init, map_mode=False)
+    final = lane_end.reshape(num_rows, pieces, *lane_end.shape[1:])[:, -1]
+    return o, final.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
+
+
 def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, interpret=False):
     """`pallas_mosaic_gpu_delta.state_pass` (same arguments and results) with each row cut into `pieces` lanes
     (module docstring), both passes on `pallas_mosaic_gpu_state.state_lanes`.
@@ -134,7 +169,6 @@ def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, i
     """
     lay = p.lay
     num_v_heads, num_chunks, chunk = w.shape[:3]
-    num_rows = lay.row_first_chunk.shape[0]
     decays = p.G[:, :, chunk - 1, :] if per_channel_decay else p.G  # KDA: G_last [HV, NC, K]; GDN: [HV, NC, C]
     # states cross the lanes kernel transposed, its own layout: only the rows' initial and final states and the
     # checkpoints are transposed, not every lane's start and end state nor the maps
@@ -145,17 +179,44 @@ def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, i
         ck_start, ck_count = triton_delta._checkpoint_ranges(lay, num_chunks)
         checkpoints = lanes_kernel.Checkpoints(ck_start, ck_count, lay.checkpoint_pos, p.k, lay.chunk_start,
                                                lay.chunk_len, p.G)
-    lane_first, lane_count = split_lanes(lay.row_first_chunk, lay.row_num_chunks, pieces=pieces)
-    lane_init = None if init is None else init.swapaxes(-1, -2)  # [N, HV, V, K]
-    if pieces > 1:
-        # the last piece of each row needs no map
-        leading = lambda x: x.reshape(num_rows, pieces)[:, :-1].reshape(-1)  # noqa: E731
-        maps = lanes_kernel.state_lanes(leading(lane_first), leading(lane_count), decays, w, u, kd, None, None, None,
-                                        map_mode=True, **options)
-        maps = maps.reshape(num_rows, pieces - 1, *maps.shape[1:])
-        lane_init = _piece_starts(maps, lane_init)
-        lane_init = lane_init.reshape(num_rows * pieces, *lane_init.shape[2:])
-    o, lane_end, checkpoint_states = lanes_kernel.state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk,
-                                                              lane_init, checkpoints, **options)
-    final = lane_end.reshape(num_rows, pieces, *lane_end.shape[1:])[:, -1]
-    return o, final.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
+
+    def run_lanes(lane_first, lane_count, lane_init, *, map_mode):
+        if map_mode:
+            return lanes_kernel.state_lanes(lane_first, lane_count, decays, w, u, kd, None, None, None, map_mode=True,
+                                            **options)
+        return lanes_kernel.state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, checkpoints,
+                                        **options)
+
+    return _split(lay, init, run_lanes, pieces=pieces)
+
+
+def fused_pass_split(p, init, *, pieces, interpret=False):
+    """`pallas_mosaic_gpu_gdn_fused.gdn_fused_pass` (same arguments and results) with each row cut into `pieces`
+    lanes (module docstring, "The fused GDN pass"): `gdn_kkt` once, then both passes on `gdn_fused_lanes`.
+
+    p     # `pallas_triton_delta.prepare(..., per_channel_decay=False)`; the caller checks `gdn_fused.supports`
+    init  # fp32 [N, HV, K, V] or None (zeros)
+    Returns (o chunk-major [NC, C, HV, V], final fp32 [N, HV, K, V], checkpoints fp32 [max(M, 1), HV, K, V]; rows
+    of unused chunks, padding rows and padded entries unspecified).
+    """
+    lay = p.lay
+    group = p.v.shape[1] // p.q.shape[1]
+    t0, q_c, k_c, v_c, beta_c = gdn_fused.gdn_kkt(lay.chunk_start, lay.chunk_len, p.q, p.k, p.v, p.beta, group=group,
+                                                  interpret=interpret)
+    checkpoints = None
+    if lay.checkpoint_pos.shape[0]:
+        ck_start, ck_count = triton_delta._checkpoint_ranges(lay, lay.chunk_len.shape[0])
+        checkpoints = gdn_fused.Checkpoints(ck_start, ck_count, lay.checkpoint_pos)
+    lanes = functools.partial(gdn_fused.gdn_fused_lanes, q=q_c, k=k_c, v=v_c, beta=beta_c, G=p.G, T0=t0, group=group,
+                              scale=p.scale, interpret=interpret)
+
+    def run_lanes(lane_first, lane_count, lane_init, *, map_mode):
+        # gdn_fused_lanes speaks [.., K, V] states and [M | E] maps but transposes them to its own [.., V, K] at its
+        # boundary, so the transposes here meet the kernel's and XLA folds each pair away
+        if map_mode:
+            return lanes(lane_first, lane_count, lane_init=None, map_mode=True).swapaxes(-1, -2)
+        lane_init = None if lane_init is None else lane_init.swapaxes(-1, -2)
+        o, lane_end, checkpoint_states = lanes(lane_first, lane_count, lane_init=lane_init, checkpoints=checkpoints)
+        return o, lane_end.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
+
+    return _split(lay, init, run_lanes, pieces=pieces)
