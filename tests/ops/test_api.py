@@ -74,7 +74,7 @@ def test_default_implementation_falls_back_to_xla_with_reasons():
     choice = choose_implementation(GDN_REGISTRY, None, q=q, k=k, v=v, g=g, beta=beta, state_layout="kv",
                                    chunk_size=64)
     assert choice.name == "xla"
-    assert [name for name, _ in choice.declined] == ["pallas_triton"]
+    assert [name for name, _ in choice.declined] == ["pallas_mosaic_gpu", "pallas_triton"]
     with pytest.raises(ValueError, match="implementation"):
         ops.gated_delta_rule(q, k, v, g, beta, implementation="cuda")
 

@@ -18,6 +18,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxckpt.ops.common import api as common_api
+from jaxckpt.ops.common import pallas_mosaic_gpu_delta as mosaic_delta
 from jaxckpt.ops.gdn import api as gdn_api
 from jaxckpt.ops.gdn import pallas_mosaic_gpu as gdn_mosaic
 from jaxckpt.ops.gdn import pallas_triton as gdn_triton
@@ -78,7 +79,13 @@ def poisoned(inputs):
     return out
 
 
+# this file checks the version 1 state pass (the Mosaic GPU entries' defaults are the lanes pass, `default_tuning`)
+VERSION_1 = dict(state="v1", intra="pallas_triton")
+
+
 def run(op, inputs, options, interpret=True, **extra):
+    if op in (gdn_mosaic.gated_delta_rule, kda_mosaic.kda):
+        extra = {**VERSION_1, **extra}
     arrays = {name: jnp.asarray(x) for name, x in inputs.items()}
     options = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in {**options, **extra}.items()}
     return [np.asarray(x.astype(jnp.float32)) for x in op(**arrays, **options, interpret=interpret)]
@@ -219,8 +226,22 @@ def test_supports_names_the_reason():
         gdn_mosaic.gated_delta_rule(**fp32, interpret=True)
     assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu", kda_intra="split").startswith("tuning:")
     assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu") is None
-    # named in the registry, but not chosen automatically until measured on the GPU
+    # first in the automatic order; off a Hopper GPU it declines with its reason and the order falls back
     call = dict(inputs, chunk_size=64)
-    assert "pallas_mosaic_gpu" in gdn_api.REGISTRY
     choice = common_api.choose_implementation(gdn_api.REGISTRY, None, **call)
-    assert "pallas_mosaic_gpu" not in {choice.name, *dict(choice.declined)}
+    assert choice.declined[0][0] == "pallas_mosaic_gpu" and "sm_90" in choice.declined[0][1]
+    assert choice.name != "pallas_mosaic_gpu"
+
+
+def test_defaults_run_the_lanes_pass_against_float64():
+    """Left-out options: the lanes state pass with pieces from the shapes; GDN's Mosaic GPU intra, KDA's Triton one."""
+    assert mosaic_delta.default_tuning(per_channel_decay=False) == dict(intra="mosaic_gpu", state="v2", pieces="auto")
+    assert mosaic_delta.default_tuning(per_channel_decay=True) == dict(intra="pallas_triton", state="v2", pieces="auto")
+    assert mosaic_delta.default_tuning(per_channel_decay=False, state="v1")["pieces"] == 1
+    inputs, options = make_case(np.random.default_rng(), per_channel=False, layout="kv")
+    arrays = {name: jnp.asarray(x) for name, x in poisoned(inputs).items()}
+    given = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
+    actual = [np.asarray(x, np.float32) for x in gdn_mosaic.gated_delta_rule(**arrays, **given, interpret=True)]
+    reference = gdn_reference.gated_delta_rule(**inputs, **options)
+    for name, a, r in zip(("o", "final_state", "checkpoint_states"), actual, reference):
+        assert np.isfinite(a).all() and rel_rms(a, r) <= BF16_TOL, (name, rel_rms(a, r))

@@ -271,11 +271,12 @@ def test_tuning_checks():
     assert "state must be one of" in ok(state="v3")
     for bad in (0, -2, 2.0, True, "4", None):
         assert "pieces must be an int >= 1 or 'auto'" in ok(state="v2", pieces=bad), bad
+    assert ok(pieces=2) is None  # state left out: "v2"
     for pieces in (2, "auto"):
-        reason = ok(pieces=pieces)
+        reason = ok(state="v1", pieces=pieces)
         assert reason.startswith("tuning:") and "needs state='v2' or 'fused'" in reason, reason
     with pytest.raises(ValueError, match="needs state='v2'"):
-        gdn_mosaic.gated_delta_rule(**inputs, interpret=True, pieces=2)
+        gdn_mosaic.gated_delta_rule(**inputs, interpret=True, state="v1", pieces=2)
     assert {"state", "pieces"} <= set(mosaic_delta.TUNING_KEYS)
 
 
@@ -291,7 +292,8 @@ def test_delta_rule_mosaic_state_v2_wiring(emulated, per_channel):
     for pieces in (3, "auto"):
         emulated.clear()
         got = mosaic_delta.delta_rule_mosaic(**arrays, **meta, per_channel_decay=per_channel, use_qk_l2norm=True,
-                                             state_layout="vk", interpret=True, state="v2", pieces=pieces)
+                                             state_layout="vk", interpret=True, state="v2", pieces=pieces,
+                                             intra="pallas_triton")
         # "auto" on 5 short rows, 2 heads: too few chunks per row for a split
         assert [c["map_mode"] for c in emulated] == ([True, False] if pieces == 3 else [False])
         for name, a, r in zip(("o", "final", "ckpt"), got, expected):

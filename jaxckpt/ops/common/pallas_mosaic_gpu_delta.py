@@ -108,6 +108,16 @@ def _is_hopper() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
+def default_tuning(*, per_channel_decay, state=None):
+    """What the options left out mean (measured on the H200, bench/README.md "Pallas Mosaic GPU, version 2"): the
+    lanes state pass with the sequence split chosen from the shapes; GDN's Mosaic GPU intra pass (at FLA's error on
+    the parity problem, 2.9x faster than the Triton one), KDA's Triton intra pass (the Mosaic GPU one, 2.6x faster,
+    adds output error past FLA's: `kda_score_parts` and `intra="mosaic_gpu"` name it). `state` given: its pieces."""
+    state = state or "v2"
+    return dict(intra="pallas_triton" if per_channel_decay else "mosaic_gpu", state=state,
+                pieces=1 if state == "v1" else "auto")
+
+
 def _state_reason(state, pieces) -> str | None:
     if state not in STATES:
         return f"tuning: state must be one of {STATES}, got {state!r}"
@@ -124,9 +134,11 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
     unknown = sorted(set(tuning) - set(TUNING_KEYS))
     if unknown:
         return f"tuning: unknown options {unknown}, expected some of {TUNING_KEYS}"
-    if tuning.get("intra", INTRA[0]) not in INTRA:
+    defaults = default_tuning(per_channel_decay=g.ndim == 3, state=tuning.get("state"))
+    intra = tuning.get("intra", defaults["intra"])
+    if intra not in INTRA:
         return f"tuning: intra must be one of {INTRA}, got {tuning['intra']!r}"
-    reason = _state_reason(tuning.get("state", STATES[0]), tuning.get("pieces", 1))
+    reason = _state_reason(tuning.get("state", defaults["state"]), tuning.get("pieces", defaults["pieces"]))
     if reason is not None:
         return reason
     if tuning.get("state") == "fused":
@@ -154,7 +166,9 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
         if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
             return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
     intra_tuning = {key: value for key, value in tuning.items() if key in _INTRA_TUNING}
-    if tuning.get("intra") == "mosaic_gpu":
+    if tuning.get("state") == "fused":
+        intra = "pallas_triton"  # its kkt kernel replaces the intra pass; the Triton checks still cover the cumsum
+    if intra == "mosaic_gpu":
         # the Triton intra's options would be ignored; the cumsum launch still takes num_stages
         triton_only = sorted(set(intra_tuning) - {"num_stages"})
         if triton_only:
@@ -417,8 +431,8 @@ def state_pass(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False
 
 def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm=False, initial_state=None,
                       cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
-                      interpret=False, intra="pallas_triton", intra_num_warps=4, num_stages=2, kda_intra="split",
-                      kda_diag="doubling", kda_block_k=None, state="v1", pieces=1, kda_score_parts=None):
+                      interpret=False, intra=None, intra_num_warps=4, num_stages=2, kda_intra="split",
+                      kda_diag="doubling", kda_block_k=None, state=None, pieces=None, kda_score_parts=None):
     """`pallas_triton_delta.delta_rule` with the Mosaic GPU state pass (module docstring); same arguments and results.
 
     q, k                # [T, H, K] 16-bit
@@ -433,7 +447,7 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     kernels with the same layouts, `pallas_mosaic_gpu_intra.gdn_intra` / `pallas_mosaic_gpu_kda_intra.kda_intra`, the
     latter's `score_parts` as kda_score_parts: 2 feeds the score products as hi + lo pairs). `interpret`: True runs
     every kernel on CPU; a `plgpu.InterpretGPUParams` (e.g. detect_races=True) does too, with those settings for the
-    Mosaic GPU interpreter.
+    Mosaic GPU interpreter. Left out, intra, state and pieces take `default_tuning`'s values.
     `state`: the state pass, "v1" (`state_pass`: one CTA per row, value head and V / 64) or "v2" (the lanes kernel,
     `pallas_mosaic_gpu_state.state_lanes`, through `pallas_mosaic_gpu_split.state_pass_split`) or, GDN only,
     "fused" (`pallas_mosaic_gpu_gdn_fused`: `gdn_kkt` and then the fused state loop `gdn_fused_lanes`, which forms
@@ -446,6 +460,10 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padding tokens and padded checkpoint entries are zeros.
     """
+    defaults = default_tuning(per_channel_decay=per_channel_decay, state=state)
+    intra = defaults["intra"] if intra is None else intra
+    state = defaults["state"]
+    pieces = defaults["pieces"] if pieces is None else pieces
     if intra not in INTRA:
         raise ValueError(f"intra: must be one of {INTRA}, got {intra!r}")
     reason = _state_reason(state, pieces)
