@@ -4,8 +4,8 @@
 table) and `<name>_timing.json` / `.md` (Recorder schema) under $OUT, else bench/results. Under 5 minutes on one H200.
 
 Parity: GDN, KDA (K = V = 128, H = 2, HV = 4, varlen rows with 1-token and checkpoint-free rows) and SSD (H = 8,
-P = 64, N = 128, G = 2) through jaxckpt (xla, pallas_triton, pallas_mosaic_gpu with either intra pass), torch_bridge
-(FLA split, FLA KDA intermediate states, the Triton SSD at ieee and tf32 dots, the DLPack bridge onto jaxckpt's xla
+P = 64, N = 128, G = 2) through jaxckpt (xla, pallas_triton, pallas_mosaic_gpu: its defaults, version 1 and
+options, `MOSAIC_GPU_ROWS`), torch_bridge (FLA split, FLA KDA intermediate states, the Triton SSD at ieee and tf32 dots, the DLPack bridge onto jaxckpt's xla
 path) against the float64 reference run on exactly the bf16-rounded inputs; rel-RMS of the output, the final states
 and every checkpoint on its own. KDA offsets lie on the 64 grid so the native path sees the same checkpoints. A failing path is recorded with its error.
 
@@ -31,7 +31,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import Recorder, device, torch_time, versions  # noqa: E402
+from bench.common import Recorder, device, implementation_spec, torch_time, versions  # noqa: E402
 
 ANCHOR_SHAPES = [(1, 8192, 16), (1, 32768, 16), (8, 4096, 32)]
 
@@ -112,6 +112,16 @@ def attempt(results, op, path, run, expected, ccu, offsets):
         print(f"  {op:<4} {path:<32} FAILED {type(error).__name__}", flush=True)
 
 
+# the Mosaic GPU backend's defaults (`pallas_mosaic_gpu_delta.default_tuning`), its first version and its options
+MOSAIC_GPU_ROWS = {
+    "gdn": ("pallas_mosaic_gpu", "pallas_mosaic_gpu@state=v1,intra=pallas_triton",
+            "pallas_mosaic_gpu@state=v1,intra=mosaic_gpu", "pallas_mosaic_gpu@state=fused",
+            "pallas_mosaic_gpu@state=fused,pieces=2"),
+    "kda": ("pallas_mosaic_gpu", "pallas_mosaic_gpu@state=v1,intra=pallas_triton",
+            "pallas_mosaic_gpu@intra=mosaic_gpu", "pallas_mosaic_gpu@intra=mosaic_gpu,kda_score_parts=2"),
+}
+
+
 def parity() -> list[dict]:
     import jax.numpy as jnp
     import torch
@@ -137,9 +147,9 @@ def parity() -> list[dict]:
                                                                                       jnp.asarray(arrays["beta"])]
         torch_args = dict(q=cuda(arrays["q"], torch.bfloat16), k=cuda(arrays["k"], torch.bfloat16),
                           v=cuda(arrays["v"], torch.bfloat16), g=cuda(arrays["g"]), beta=cuda(arrays["beta"]))
-        for impl, options in (("xla", None), ("pallas_triton", None), ("pallas_mosaic_gpu", None),
-                              ("pallas_mosaic_gpu", {"intra": "mosaic_gpu"})):
-            name = f"jaxckpt.{impl}" + ("" if options is None else "@intra=mosaic_gpu")
+        for spec in ("xla", "pallas_triton", *MOSAIC_GPU_ROWS[op]):
+            impl, options = implementation_spec(spec)
+            name = f"jaxckpt.{spec}"
             attempt(results, op, name,
                     lambda impl=impl, options=options: entry(*jax_args, initial_state=jnp.asarray(h0),
                                                              implementation=impl, kernel_options=options, **meta),
