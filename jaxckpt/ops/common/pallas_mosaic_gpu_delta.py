@@ -1,12 +1,17 @@
-"""The sequential state pass of the chunked gated delta rule (GDN scalar decay, KDA per-key-channel decay) as a Pallas
-Mosaic GPU kernel (Hopper: wgmma + TMA), exporting checkpoint states from inside the pass.
+"""The chunked gated delta rule (GDN scalar decay, KDA per-key-channel decay) on Pallas Mosaic GPU kernels (Hopper:
+wgmma + TMA), exporting checkpoint states from inside the state pass: the pipeline (`delta_rule_mosaic`, `supports`)
+and the first version of the state pass (`state_pass`).
 
 Written against jax 0.11.2 (`jax.experimental.pallas.mosaic_gpu` as plgpu: `plgpu.kernel`, Lane lowering
 semantics); the Mosaic GPU API changes between jax releases, so check this module when jax moves.
 
-`delta_rule_mosaic` has `pallas_triton_delta.delta_rule`'s contract and results. It runs version 2's cumsum and
-intra launches (Pallas Triton lowering, `pallas_triton_delta.prepare` / `intra_v2`: chunk-major w, u, kd, qg, aqk
-[HV, NC, C, *] in the 16-bit input dtype) and then `_state_kernel` below, which fuses the output:
+`delta_rule_mosaic` has `pallas_triton_delta.delta_rule`'s contract and results. It runs the Triton gate cumsum
+(`pallas_triton_delta.prepare`), an intra pass writing chunk-major w, u, kd, qg, aqk [HV, NC, C, *] in the 16-bit
+input dtype (`intra`: the Triton `intra_v2` or the Mosaic GPU kernels of `pallas_mosaic_gpu_intra` /
+`pallas_mosaic_gpu_kda_intra`), then a state pass chosen by `state` (defaults: `default_tuning`): "v2", the lanes
+kernel of `pallas_mosaic_gpu_state` behind the sequence split of `pallas_mosaic_gpu_split` (the default), "fused"
+(GDN: `pallas_mosaic_gpu_gdn_fused`, which replaces the intra pass), or "v1", `_state_kernel` below (the first
+version, the reference the others are tested against), which fuses the output:
 
     per row n, value head h, V block j (BV = 64 columns), S = S[:, cols] fp32 [K, BV], for the row's chunks c:
     v_new = U_c - W_c S;   O_c = QG_c S + AQK_c v_new;   S <- exp(G_last) S + KD_c^T v_new

@@ -1,6 +1,8 @@
-"""Gated DeltaNet (GDN) with the sequential state pass as a Pallas Mosaic GPU kernel (Hopper; `interpret=True` on CPU),
-exporting checkpoint states from inside that pass. The cumsum and intra kernels are the Pallas Triton ones. Kernel
-and design: `jaxckpt/ops/common/pallas_mosaic_gpu_delta.py`; the math in README.md beside this file."""
+"""Gated DeltaNet (GDN) on Pallas Mosaic GPU kernels (Hopper; `interpret=True` on CPU), exporting checkpoint states
+from inside the state pass: the Triton gate cumsum, an intra pass, the state pass (version 2 lanes kernel with the
+sequence split by default, or the fused pass), one gather of O. Pipeline, options and design:
+`jaxckpt/ops/common/README.md` ("Mosaic GPU kernels") and `jaxckpt/ops/common/pallas_mosaic_gpu_delta.py`; the math
+in README.md beside this file."""
 
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initi
     checkpoint_cu       # i32[N + 1], CSR with checkpoint_offsets i32[M] (offsets relative to the row start)
     The metadata arrays may be traced; their values are trusted (validate them with `jaxckpt.plan.conventions`).
     `chunk_size` 64; `interpret=True` runs the kernels on CPU; `tuning`: see
-    `pallas_mosaic_gpu_delta.delta_rule_mosaic` (intra, intra_num_warps, num_stages).
+    `pallas_mosaic_gpu_delta.delta_rule_mosaic` (intra, state, pieces, intra_num_warps, num_stages; defaults in
+    `pallas_mosaic_gpu_delta.default_tuning`).
     Unsupported shapes or options raise ValueError with the reason `supports` gives.
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] or [N, HV, V, K], checkpoint_states fp32

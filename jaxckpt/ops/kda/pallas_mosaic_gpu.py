@@ -1,7 +1,9 @@
-"""Kimi Delta Attention (KDA) with the sequential state pass as a Pallas Mosaic GPU kernel (Hopper; `interpret=True` on
-CPU), exporting checkpoint states from inside that pass. The gate is computed in plain jnp (`xla.kda_gate`) before
-the kernels; the cumsum and intra kernels are the Pallas Triton ones. Kernel and design:
-`jaxckpt/ops/common/pallas_mosaic_gpu_delta.py`; the math and the gate in README.md beside this file."""
+"""Kimi Delta Attention (KDA) on Pallas Mosaic GPU kernels (Hopper; `interpret=True` on CPU), exporting checkpoint
+states from inside the state pass. The gate is computed in plain jnp (`xla.kda_gate`) before the kernels: the Triton
+gate cumsum, an intra pass (Triton by default, or Mosaic GPU), the state pass (version 2 lanes kernel with the
+sequence split by default), one gather of O. Pipeline, options and design: `jaxckpt/ops/common/README.md` ("Mosaic GPU
+kernels") and `jaxckpt/ops/common/pallas_mosaic_gpu_delta.py`; the math and the gate in README.md beside this
+file."""
 
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ def kda(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None
     checkpoint_cu       # i32[N + 1], CSR with checkpoint_offsets i32[M] (offsets relative to the row start)
     The metadata arrays may be traced; their values are trusted (validate them with `jaxckpt.plan.conventions`).
     `chunk_size` 64; `interpret=True` runs the kernels on CPU; `tuning`: see
-    `pallas_mosaic_gpu_delta.delta_rule_mosaic` (intra, intra_num_warps, num_stages, kda_intra, kda_diag,
-    kda_block_k). Unsupported shapes or options raise ValueError with the reason `supports` gives.
+    `pallas_mosaic_gpu_delta.delta_rule_mosaic` (intra, state, pieces, kda_score_parts, intra_num_warps, num_stages,
+    kda_intra, kda_diag, kda_block_k; defaults in `pallas_mosaic_gpu_delta.default_tuning`). Unsupported shapes or options raise ValueError with the reason `supports` gives.
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] or [N, HV, V, K], checkpoint_states fp32
     [M, HV, K, V] or [M, HV, V, K]); the checkpoint at offset p is the state after the row's first p tokens.
