@@ -17,11 +17,9 @@ version, the reference the others are tested against), which fuses the output:
     v_new = U_c - W_c S;   O_c = QG_c S + AQK_c v_new;   S <- exp(G_last) S + KD_c^T v_new
     (KDA: exp(G_last) is a [K] vector scaling the rows of S.)
 
-That is state "v1", the default. State "v2" runs the state pass as the lanes kernel (`pallas_mosaic_gpu_state`,
-optionally with each row split into pieces: `pallas_mosaic_gpu_split`); state "fused" (GDN only) replaces both the
-intra launches and the state pass with `pallas_mosaic_gpu_gdn_fused` (`gdn_kkt`, then a state loop forming the intra
-products per chunk), with the same split (`pallas_mosaic_gpu_split.fused_pass_split`). The cumsum launch is shared.
+The split over pieces (`pallas_mosaic_gpu_split`) serves "v2" and "fused" alike; the cumsum launch is shared.
 
+Version 1's design (the rest of this docstring; version 2 and the fused pass document theirs in their modules).
 Design (one CTA of one warpgroup, doing all of the below, per grid point (row, value head, V / 64)):
 - The warpgroup carries S in fp32 registers (WGMMA layout) through the row's chunks. wgmma takes 16-bit operands
   from SMEM, so every chunk it writes S as an unevaluated sum S_hi + S_lo of two 16-bit tiles (S_hi = S rounded,
