@@ -46,7 +46,7 @@ def main(argv=None):
 
     print(f"devices: {jax.devices()}")
     pieces = [p if p == "auto" else int(p) for p in args.pieces]
-    variants = {"v1": {"intra": "mosaic_gpu"},
+    variants = {"v1": {"intra": "mosaic_gpu", "state": "v1"},
                 "v2 pieces=auto": {"intra": "mosaic_gpu", "state": "v2", "pieces": "auto"}}
     variants.update({f"fused pieces={p}": {"state": "fused", "pieces": p} for p in pieces})
     rng = np.random.default_rng(0)

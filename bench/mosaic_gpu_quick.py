@@ -82,10 +82,9 @@ def main(argv=None):
                             checkpoint_offsets=jnp.asarray(offsets))
             runs = {"pallas_triton": functools.partial(triton, use_qk_l2norm=True, **meta),
                     "pallas_triton@fuse": functools.partial(triton, use_qk_l2norm=True, fuse_output=True, **meta),
-                    "pallas_mosaic_gpu": functools.partial(mosaic, use_qk_l2norm=True, **meta)}
-            if op == "gdn":
-                runs["pallas_mosaic_gpu@intra=mosaic_gpu"] = functools.partial(
-                    mosaic, use_qk_l2norm=True, intra="mosaic_gpu", **meta)
+                    "pallas_mosaic_gpu@state=v1,intra=pallas_triton": functools.partial(
+                        mosaic, use_qk_l2norm=True, state="v1", intra="pallas_triton", **meta),
+                    "pallas_mosaic_gpu (defaults)": functools.partial(mosaic, use_qk_l2norm=True, **meta)}
             arrays = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
             baseline = None
             for name, fn in runs.items():

@@ -73,7 +73,7 @@ def main(argv=None):
 
     print(f"devices: {jax.devices()}")
     entries = {"gdn": gdn_mosaic.gated_delta_rule, "kda": kda_mosaic.kda}
-    variants = {"v1": {}}
+    variants = {"v1": {"state": "v1"}}
     variants.update({f"v2 pieces={p}": {"state": "v2", "pieces": p if p == "auto" else int(p)} for p in args.pieces})
     rng = np.random.default_rng(0)
     for op in args.op:
