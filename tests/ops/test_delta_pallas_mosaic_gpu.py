@@ -238,6 +238,8 @@ def test_defaults_run_the_lanes_pass_against_float64():
     assert mosaic_delta.default_tuning(per_channel_decay=False) == dict(intra="mosaic_gpu", state="v2", pieces="auto")
     assert mosaic_delta.default_tuning(per_channel_decay=True) == dict(intra="pallas_triton", state="v2", pieces="auto")
     assert mosaic_delta.default_tuning(per_channel_decay=False, state="v1")["pieces"] == 1
+    # the Mosaic GPU GDN intra's fp16 inverse relies on unit keys: without the op's normalization, the Triton one
+    assert mosaic_delta.default_tuning(per_channel_decay=False, use_qk_l2norm=False)["intra"] == "pallas_triton"
     inputs, options = make_case(np.random.default_rng(), per_channel=False, layout="kv")
     arrays = {name: jnp.asarray(x) for name, x in poisoned(inputs).items()}
     given = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
@@ -245,3 +247,6 @@ def test_defaults_run_the_lanes_pass_against_float64():
     reference = gdn_reference.gated_delta_rule(**inputs, **options)
     for name, a, r in zip(("o", "final_state", "checkpoint_states"), actual, reference):
         assert np.isfinite(a).all() and rel_rms(a, r) <= BF16_TOL, (name, rel_rms(a, r))
+    with pytest.raises(ValueError, match="state='fused' replaces"):
+        mosaic_delta.delta_rule_mosaic(**arrays, per_channel_decay=False, interpret=True, state="fused",
+                                       intra="pallas_triton")

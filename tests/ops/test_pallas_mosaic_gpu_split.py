@@ -269,8 +269,9 @@ def test_tuning_checks():
     assert ok(state="v2", pieces=4) is None and ok(state="v2", pieces="auto") is None
     assert ok(state="v1", pieces=1) is None
     assert "state must be one of" in ok(state="v3")
-    for bad in (0, -2, 2.0, True, "4", None):
-        assert "pieces must be an int >= 1 or 'auto'" in ok(state="v2", pieces=bad), bad
+    for bad in (0, -2, 2.0, True, "4", mosaic_delta.MAX_PIECES + 1):
+        assert "pieces must be an int in [1, 64] or 'auto'" in ok(state="v2", pieces=bad), bad
+    assert ok(state=None, pieces=None, intra=None) is None and ok(pieces=np.int32(2)) is None  # None: the default
     assert ok(pieces=2) is None  # state left out: "v2"
     for pieces in (2, "auto"):
         reason = ok(state="v1", pieces=pieces)

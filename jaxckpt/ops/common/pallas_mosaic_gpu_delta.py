@@ -77,6 +77,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -92,6 +93,7 @@ HEAD_DIMS = (64, 128)
 BLOCK_V = 64
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 INTRA = ("pallas_triton", "mosaic_gpu")
+MAX_PIECES = 64  # the piece scan is unrolled, and N * pieces lanes sit on one grid axis
 STATES = ("v1", "v2", "fused")
 TUNING_KEYS = ("intra", "intra_num_warps", "num_stages", "kda_intra", "kda_diag", "kda_block_k", "state", "pieces",
                "kda_score_parts")
@@ -111,21 +113,25 @@ def _is_hopper() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
-def default_tuning(*, per_channel_decay, state=None):
+def default_tuning(*, per_channel_decay, state=None, use_qk_l2norm=True):
     """What the options left out mean (measured on the H200, bench/README.md "Pallas Mosaic GPU, version 2"): the
     lanes state pass with the sequence split chosen from the shapes; GDN's Mosaic GPU intra pass (at FLA's error on
-    the parity problem, 2.9x faster than the Triton one), KDA's Triton intra pass (the Mosaic GPU one, 2.6x faster,
-    adds output error past FLA's: `kda_score_parts` and `intra="mosaic_gpu"` name it). `state` given: its pieces."""
+    the parity problem, 2.9x faster than the Triton one) when the op normalizes q and k itself (its fp16 inverse
+    relies on unit keys and beta <= 1, `pallas_mosaic_gpu_intra`), else the Triton one; KDA's Triton intra pass (the
+    Mosaic GPU one, 2.6x faster, adds output error past FLA's: `kda_score_parts` and `intra="mosaic_gpu"` name it).
+    `state` given: its pieces."""
     state = state or "v2"
-    return dict(intra="pallas_triton" if per_channel_decay else "mosaic_gpu", state=state,
+    mosaic_intra_default = use_qk_l2norm and not per_channel_decay
+    return dict(intra="mosaic_gpu" if mosaic_intra_default else "pallas_triton", state=state,
                 pieces=1 if state == "v1" else "auto")
 
 
 def _state_reason(state, pieces) -> str | None:
     if state not in STATES:
         return f"tuning: state must be one of {STATES}, got {state!r}"
-    if pieces != "auto" and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
-        return f"tuning: pieces must be an int >= 1 or 'auto', got {pieces!r}"
+    if pieces != "auto" and (isinstance(pieces, bool) or not isinstance(pieces, (int, np.integer))
+                             or not 1 <= pieces <= MAX_PIECES):
+        return f"tuning: pieces must be an int in [1, {MAX_PIECES}] or 'auto', got {pieces!r}"
     if pieces != 1 and state == "v1":
         return (f"tuning: pieces={pieces!r} needs state='v2' or 'fused' (the lanes kernels split rows into pieces; "
                 f"state={state!r} runs whole rows)")
@@ -133,7 +139,9 @@ def _state_reason(state, pieces) -> str | None:
 
 
 def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> str | None:
-    """None when this backend can run the call, else the reason (so the caller can fall back to XLA)."""
+    """None when this backend can run the call, else the reason (so the caller can fall back to the next
+    implementation). An option given as None means its default, as in `delta_rule_mosaic`."""
+    tuning = {key: value for key, value in tuning.items() if value is not None}
     unknown = sorted(set(tuning) - set(TUNING_KEYS))
     if unknown:
         return f"tuning: unknown options {unknown}, expected some of {TUNING_KEYS}"
@@ -172,21 +180,23 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
     if tuning.get("state") == "fused":
         intra = "pallas_triton"  # its kkt kernel replaces the intra pass; the Triton checks still cover the cumsum
     if intra == "mosaic_gpu":
-        # the Triton intra's options would be ignored; the cumsum launch still takes num_stages
-        triton_only = sorted(set(intra_tuning) - {"num_stages"})
+        # the Triton intra's options would be ignored; the Triton cumsum launch still takes num_stages and
+        # intra_num_warps
+        triton_only = sorted(set(intra_tuning) - {"num_stages", "intra_num_warps"})
         if triton_only:
             return f"tuning: {triton_only} tune the Triton intra pass, not intra='mosaic_gpu'"
         if "kda_score_parts" in tuning and g.ndim != 3:
             return "tuning: kda_score_parts tunes the KDA Mosaic GPU intra pass; this is a GDN call"
         intra_module = mosaic_kda_intra if g.ndim == 3 else mosaic_intra
         gate_tail = (q.shape[-1],) if g.ndim == 3 else ()
-        # the chunk count without the rows: each row adds at most one partial chunk to T // C
+        # the chunk count without the rows (unknown here): T // C plus one partial chunk; each further row can add
+        # one, which the intra kernel checks again at its launch
         G = jax.ShapeDtypeStruct((v.shape[1], q.shape[0] // CHUNK + 1, CHUNK, *gate_tail), _F32)
         mosaic_tuning = {"score_parts": tuning["kda_score_parts"]} if "kda_score_parts" in tuning else {}
         reason = intra_module.supports(q, k, v, beta, G, chunk=chunk_size, interpret=interpret, **mosaic_tuning)
         if reason is not None:
             return f"intra pass (mosaic_gpu): {reason}"
-    else:
+    if intra == "pallas_triton" or "intra" not in tuning:  # left out, the call may run either (`default_tuning`)
         if "kda_score_parts" in tuning:
             return "tuning: kda_score_parts tunes the KDA Mosaic GPU intra pass; it needs intra='mosaic_gpu'"
         reason = triton_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **intra_tuning)
@@ -463,7 +473,12 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padding tokens and padded checkpoint entries are zeros.
     """
-    defaults = default_tuning(per_channel_decay=per_channel_decay, state=state)
+    if state == "fused":
+        given = {"intra": intra, "kda_score_parts": kda_score_parts}
+        given = sorted(name for name, value in given.items() if value is not None)
+        if given:
+            raise ValueError(f"tuning: {given} tune the intra pass, which state='fused' replaces with its own kernels")
+    defaults = default_tuning(per_channel_decay=per_channel_decay, state=state, use_qk_l2norm=use_qk_l2norm)
     intra = defaults["intra"] if intra is None else intra
     state = defaults["state"]
     pieces = defaults["pieces"] if pieces is None else pieces

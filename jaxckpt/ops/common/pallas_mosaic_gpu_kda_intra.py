@@ -24,8 +24,9 @@ the SM to fill the gaps. This version:
   take 80% of the selects, unrolled after it, their R_s built by the same selects (`reference="select"`, the
   default) or read as row-shifted views of G (`reference="shifted"`, `_reference`). On the H200 the selects win:
   0.341 vs 0.545 ms at (1, 8192, 16), 1.27 vs 2.22 ms at 32K (`bench/results/mosaic_gpu_kda_intra_h200_run2.log`):
-  the shifted views' 8-way bank-conflicted loads cost more than the ALU work they replace. No wgmma is in flight across a loop edge (each level reads its accumulators before the next
-  starts), which jla found necessary with jax 0.11.2.
+  the shifted views' 8-way bank-conflicted loads cost more than the ALU work they replace. No wgmma is in flight
+  across a loop edge (each level reads its accumulators before the next starts), which jla found necessary with
+  jax 0.11.2.
 - Lane lowering semantics: every register layout is the one written here (WGMMA, or its row or column reduction),
   so nothing is relaid out behind the code's back; lowering this kernel takes 3 s on a CPU (56 s with the
   warpgroup semantics' layout inference, before the level loop).

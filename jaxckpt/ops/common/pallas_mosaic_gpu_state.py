@@ -47,15 +47,15 @@ Design, per grid point (lane, value head, column block j of BV = 64 columns of S
   the identity's columns and take u = 0, the rest read u's block j - K / 64 and start from 0); no output warpgroup
   (`num_threads=2`), no qg / aqk / o, no checkpoints.
 
-SMEM at K = V = 128, bf16 (`_stages`): a ring of 2 slots x 64.5 KB, published S^T_hi 2 x 16 KB and v_new_hi
-2 x 8 KB, one O staging tile of 8 KB (its TMA store has read it long before the next chunk's O is ready), checkpoint
-kr tiles 2 x 16 KB (only with checkpoints): 217 KB of the 227 KB (185 KB without checkpoints). K = 64 and map_mode
-take 4 slots. Tuning, untested on the GPU when written: a 2-slot ring leaves one chunk period (the chain, well
-under a microsecond) to hide a load's latency; `publish_slots=1` single-buffers the published tiles (the state
-warpgroup then waits for the output warpgroup's previous chunk before publishing) and so fits 3 slots at K = 128
-without checkpoints (226 KB); `stages` forces a depth. Measured on the H200 (`bench/results/mosaic_gpu_state_h200.log`):
-the chain step is ~1.65 us (version 1: 2.5 us); `publish_slots=1`, the default, was faster in 6 of 8 cases (KDA with
-8 checkpoints per row at 8K: 0.452 vs 0.566 ms; GDN (8, 4096, 32): 0.438 vs 0.449 ms; +-4% elsewhere). Each waiter observes every phase of its barriers before the
+SMEM at K = V = 128, bf16 (`_stages`): ring slots of 64.5 KB, published S^T_hi (16 KB) and v_new_hi (8 KB) tiles
+per publish slot, one O staging tile of 8 KB (its TMA store has read it long before the next chunk's O is ready),
+checkpoint kr tiles 2 x 16 KB (only with checkpoints), within the 227 KB. With `publish_slots=1` (the default; the
+state warpgroup waits for the output warpgroup's previous chunk before publishing) the ring takes 3 slots without
+checkpoints (226 KB) and 2 with them; with 2 publish slots, 2 slots (185 / 217 KB). K = 64 and map_mode take 4
+slots; `stages` forces a depth. A 2-slot ring leaves one chunk period to hide a load's latency. Measured on the H200
+(`bench/results/mosaic_gpu_state_h200.log`): ~1.65 us per chunk step (version 1: 2.5 us); `publish_slots=1` was
+faster in 6 of 8 cases (KDA with 8 checkpoints per row at 8K: 0.452 vs 0.566 ms; GDN (8, 4096, 32): 0.438 vs
+0.449 ms; within 4% elsewhere). Each waiter observes every phase of its barriers before the
 CTA ends (the `drain` loops): the interpreter checks it when a barrier is deallocated.
 
 Interpret mode: Mosaic GPU's interpreter (jax 0.11.2) reads a wgmma's A operand only from SMEM, so under

@@ -29,7 +29,8 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initi
     initial_state   # [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk"); None = zeros
     cu_seqlens      # i32[N + 1]; checkpoint_cu i32[N + 1] + checkpoint_offsets i32[M]: CSR, query-relative offsets
 
-    `implementation`: "reference" (float64 numpy), "xla", "pallas_triton", "sequence_parallel" (long rows cut into
+    `implementation`: "reference" (float64 numpy), "xla", "pallas_triton", "pallas_mosaic_gpu" (Hopper; tried first
+    by None), "sequence_parallel" (long rows cut into
     pieces joined by their affine state maps; options via `kernel_options`, see `jaxckpt.ops.gdn.sequence_parallel`),
     or None for the fastest that supports the call here (never "sequence_parallel": name it).
     `checkpoint_method`: "in_chunk" (fixed chunk grid; outputs bitwise unchanged by checkpoints), "forced_break" (a
