@@ -86,6 +86,7 @@ from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as gdn_fused
 from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mosaic_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mosaic_kda_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_split as mosaic_split
+from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
 
 CHUNK = 64
@@ -104,7 +105,6 @@ _F32 = jnp.float32
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
 _COL = _WG.reduce(0)  # one value per column
-_SWIZZLE = 128  # bytes: a 64-element 16-bit row; every operand's minor dim is a multiple of it (K, V, C, BV >= 64)
 _COPIES_PER_CHUNK = 6  # w, u, kd, qg, aqk, decays
 
 
@@ -207,26 +207,6 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
     return None
 
 
-def _swizzled(shape, dtype):
-    """SMEM tile laid out for TMA and wgmma: (8, 128-byte) tiles, 128-byte swizzle."""
-    elems = _SWIZZLE // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(_SWIZZLE)))
-
-
-def _load(ref, layout=_WG):
-    return plgpu.load(ref, layout=layout, optimized=False)
-
-
-def _rows(x, shape):
-    """A per-row vector (`_ROW` layout) broadcast along the columns."""
-    return lax.broadcast_in_dim(x, shape, [0])
-
-
-def _cols(x, shape):
-    """A per-column vector (`_COL` layout) broadcast along the rows."""
-    return lax.broadcast_in_dim(x, shape, [1])
-
-
 def _matmuls(*products):
     """For each (shape, pairs) in products: sum(a @ b for a, b in pairs) on the tensor cores, fp32 accumulators.
 
@@ -291,7 +271,7 @@ def _state_kernel(*refs, chunk, group, channel, has_initial, has_checkpoints):
         fetch(0, 0)
 
     if has_initial:
-        S0 = _load(init_ref.at[n, h, :, cols])
+        S0 = tiles.load(init_ref.at[n, h, :, cols])
     else:
         S0 = plgpu.layout_cast(jnp.zeros(state_shape, _F32), _WG)
 
@@ -303,7 +283,7 @@ def _state_kernel(*refs, chunk, group, channel, has_initial, has_checkpoints):
         plgpu.copy_gmem_to_smem(seg_k_ref.at[s, :, hk, :], kr_hi, k_bar)
         plgpu.barrier_wait(k_bar)
         # only S and the 16-bit keys stay live across the checkpoints; the fp32 tiles are rebuilt per checkpoint
-        k_c = _load(kr_hi)  # [C, K]
+        k_c = tiles.load(kr_hi)  # [C, K]
         tile = (chunk, head_k)
 
         def one(m, carry):
@@ -312,11 +292,11 @@ def _state_kernel(*refs, chunk, group, channel, has_initial, has_checkpoints):
             inside = jnp.where(r > 0, 1.0, 0.0)  # r = 0: no rows below and the state decays by exp(0): S itself
             before = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=_WG) < r
             if channel:
-                G_c = _load(G_full_ref.at[h, c])  # [C, K]
-                G_r = _cols(_load(G_full_ref.at[h, c, at], _COL), tile)
-                decay = _rows(jnp.exp(_load(G_full_ref.at[h, c, at], _ROW) * inside), state_shape)
+                G_c = tiles.load(G_full_ref.at[h, c])  # [C, K]
+                G_r = tiles.by_col(tiles.load(G_full_ref.at[h, c, at], _COL), tile)
+                decay = tiles.by_row(jnp.exp(tiles.load(G_full_ref.at[h, c, at], _ROW) * inside), state_shape)
             else:
-                G_c = _rows(_load(dec_s.at[slot], _ROW), tile)
+                G_c = tiles.by_row(tiles.load(dec_s.at[slot], _ROW), tile)
                 G_r = dec_s[slot, at]
                 decay = jnp.exp(G_r * inside)
             kr = jnp.where(before, k_c.astype(_F32) * jnp.exp(jnp.where(before, G_r - G_c, -jnp.inf)), 0.0)
@@ -341,9 +321,9 @@ def _state_kernel(*refs, chunk, group, channel, has_initial, has_checkpoints):
         _split(S, s_hi, s_lo)
         plgpu.commit_smem()
         # operands of the elementwise work are read before the wgmma waits, so the reads overlap the tensor cores
-        u = _load(u_s.at[slot]).astype(_F32)  # [C, BV]
+        u = tiles.load(u_s.at[slot]).astype(_F32)  # [C, BV]
         if channel:
-            decay = _rows(jnp.exp(_load(dec_s.at[slot], _ROW)), state_shape)  # G_last [K] per row of S
+            decay = tiles.by_row(jnp.exp(tiles.load(dec_s.at[slot], _ROW)), state_shape)  # G_last [K] per row of S
         else:
             decay = jnp.exp(dec_s[slot, chunk - 1])  # padded rows have g = 0: the last real token's G
         v_new = u - _matmul((chunk, BLOCK_V), (w_s.at[slot], s_hi), (w_s.at[slot], s_lo))
@@ -421,15 +401,15 @@ def state_pass(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False
     out_type = (jax.ShapeDtypeStruct((num_chunks, chunk, num_v_heads, head_v), io_dtype),
                 jax.ShapeDtypeStruct((num_rows, num_v_heads, *kv), _F32),
                 jax.ShapeDtypeStruct((max(num_ckpt, 1), num_v_heads, *kv), _F32))
-    scratch = [_swizzled((2, chunk, head_k), io_dtype), _swizzled((2, chunk, BLOCK_V), io_dtype),
-               _swizzled((2, chunk, head_k), io_dtype), _swizzled((2, chunk, head_k), io_dtype),
-               _swizzled((2, chunk, chunk), io_dtype), plgpu.SMEM((2, decays.shape[-1]), _F32),
-               _swizzled((head_k, BLOCK_V), io_dtype), _swizzled((head_k, BLOCK_V), io_dtype),
-               _swizzled((chunk, BLOCK_V), io_dtype), _swizzled((chunk, BLOCK_V), io_dtype),
-               _swizzled((chunk, BLOCK_V), io_dtype),
+    scratch = [tiles.swizzled((2, chunk, head_k), io_dtype), tiles.swizzled((2, chunk, BLOCK_V), io_dtype),
+               tiles.swizzled((2, chunk, head_k), io_dtype), tiles.swizzled((2, chunk, head_k), io_dtype),
+               tiles.swizzled((2, chunk, chunk), io_dtype), plgpu.SMEM((2, decays.shape[-1]), _F32),
+               tiles.swizzled((head_k, BLOCK_V), io_dtype), tiles.swizzled((head_k, BLOCK_V), io_dtype),
+               tiles.swizzled((chunk, BLOCK_V), io_dtype), tiles.swizzled((chunk, BLOCK_V), io_dtype),
+               tiles.swizzled((chunk, BLOCK_V), io_dtype),
                plgpu.Barrier(num_arrivals=_COPIES_PER_CHUNK, num_barriers=2)]
     if has_checkpoints:
-        scratch += [_swizzled((chunk, head_k), io_dtype), _swizzled((chunk, head_k), io_dtype), plgpu.Barrier()]
+        scratch += [tiles.swizzled((chunk, head_k), io_dtype), tiles.swizzled((chunk, head_k), io_dtype), plgpu.Barrier()]
     kernel = plgpu.kernel(
         functools.partial(_state_kernel, chunk=chunk, group=group, channel=channel, has_initial=init is not None,
                           has_checkpoints=has_checkpoints),

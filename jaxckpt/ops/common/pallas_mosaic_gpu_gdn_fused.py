@@ -130,24 +130,6 @@ def supports(q, k, v, beta, *, interpret=False) -> str | None:
     return None
 
 
-def _load(ref, layout=_WG):
-    return plgpu.load(ref, layout=layout, optimized=False)
-
-
-def _rows(x, shape):
-    return lax.broadcast_in_dim(x, shape, [0])
-
-
-def _cols(x, shape):
-    return lax.broadcast_in_dim(x, shape, [1])
-
-
-def _halves(x, dtype):
-    """x (fp32) as x_hi + x_lo, two 16-bit arrays."""
-    hi = x.astype(dtype)
-    return hi, (x - hi.astype(_F32)).astype(dtype)
-
-
 def _lhs(x, detour):
     """x (16-bit registers) as a wgmma A operand; under the interpreter (`detour` a scratch tile) through SMEM."""
     if detour is None:
@@ -175,7 +157,7 @@ def _matmuls(*products, during=None):
 def _decayed_lower(G_row, G_col, shape):
     """exp(G_i - G_j) on i >= j, else 0 (masked to -inf before exp: exponents stay <= 0)."""
     lower = tiles.iota(shape, 0) >= tiles.iota(shape, 1)
-    return jnp.exp(jnp.where(lower, _rows(G_row, shape) - _cols(G_col, shape), -jnp.inf))
+    return jnp.exp(jnp.where(lower, tiles.by_row(G_row, shape) - tiles.by_col(G_col, shape), -jnp.inf))
 
 
 # ----------------------------------------------------------------------------------------------------- gdn_kkt
@@ -338,7 +320,7 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
             keys = plgpu.broadcasted_iota(jnp.int32, state_shape, 1, layout=_WG)
             S0 = jnp.where(identity & (keys == rows + j * BLOCK_V), 1.0, 0.0).astype(_F32)
         elif has_init:
-            S0 = _load(init_ref.at[lane, h, cols])
+            S0 = tiles.load(init_ref.at[lane, h, cols])
         else:
             S0 = plgpu.layout_cast(jnp.zeros(state_shape, _F32), _WG)
         detour = lambda name: s.get(name)  # noqa: E731  (interpret only)
@@ -346,9 +328,9 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
         def checkpoints(c, slot, S, vn_hi, vn_lo):
             """The checkpoints of chunk c (module docstring); keys from the ring's (zero-padded) k tile."""
             kr_hi, kr_lo = s["kr_hi"], s["kr_lo"]
-            k_c = _load(k_s.at[slot]).astype(_F32)  # [C, K]
+            k_c = tiles.load(k_s.at[slot]).astype(_F32)  # [C, K]
             tile = (CHUNK, head_k)
-            G_c = _rows(_load(G_s.at[slot], _ROW), tile)
+            G_c = tiles.by_row(tiles.load(G_s.at[slot], _ROW), tile)
             a_hi, a_lo = _lhs(vn_hi, detour("x_hi_d")), _lhs(vn_lo, detour("x_lo_d"))
 
             def one(m, carry):
@@ -358,7 +340,7 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
                 before = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=_WG) < r
                 G_r = G_s[slot, at]
                 kr = jnp.where(before, k_c * jnp.exp(jnp.where(before, G_r - G_c, -jnp.inf)), 0.0)
-                hi, lo = _halves(kr, dtype)
+                hi, lo = tiles.split(kr, dtype, 2)
                 kr_hi[...] = hi
                 kr_lo[...] = lo
                 plgpu.commit_smem()
@@ -375,12 +357,12 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
             has_ck = ck_count_ref[c] > 0 if has_checkpoints else None
             plgpu.barrier_wait(in_bar.at[slot])
             plgpu.barrier_wait(ag_ready.at[slot])
-            s_hi, s_lo = _halves(S, dtype)
+            s_hi, s_lo = tiles.split(S, dtype, 2)
             k_t = k_s.at[slot].T  # [K, C]
-            v_t = _load(v_s.at[slot].T).astype(_F32)  # [BV, C]
+            v_t = tiles.load(v_s.at[slot].T).astype(_F32)  # [BV, C]
             if map_mode:
                 v_t = jnp.where(identity, jnp.zeros_like(v_t), v_t)
-            G_col = _load(G_s.at[slot], _COL)  # [C]: per column of the [BV, C] tiles
+            G_col = tiles.load(G_s.at[slot], _COL)  # [C]: per column of the [BV, C] tiles
             G_last = G_s[slot, CHUNK - 1]  # padded rows have g = 0: the last real token's G
 
             def publish_state():
@@ -392,15 +374,15 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
 
             pairs = ((_lhs(s_hi, detour("s_hi_d")), k_t), (_lhs(s_lo, detour("s_lo_d")), k_t))
             (ks,) = _matmuls(((BLOCK_V, CHUNK), pairs), during=None if map_mode else publish_state)  # (k S)^T
-            x = v_t - _cols(jnp.exp(G_col), ks.shape) * ks  # X^T [BV, C]
-            x_hi, x_lo = _halves(x, dtype)
+            x = v_t - tiles.by_col(jnp.exp(G_col), ks.shape) * ks  # X^T [BV, C]
+            x_hi, x_lo = tiles.split(x, dtype, 2)
             ag_t = ag_s.at[slot].T  # strictly lower Ag^T [C_j, C_i]
-            diagonal = x * _cols(_load(b_s.at[slot], _COL), x.shape)  # Ag's diagonal beta, in fp32
+            diagonal = x * tiles.by_col(tiles.load(b_s.at[slot], _COL), x.shape)  # Ag's diagonal beta, in fp32
             pairs = ((_lhs(x_hi, detour("x_hi_d")), ag_t), (_lhs(x_lo, detour("x_lo_d")), ag_t))
             (v_new,) = _matmuls(((BLOCK_V, CHUNK), pairs))
             v_new = diagonal + v_new  # v_new^T [BV, C]
-            vn_hi, vn_lo = _halves(v_new, dtype)
-            vd_hi, vd_lo = _halves(v_new * _cols(jnp.exp(G_last - G_col), v_new.shape), dtype)
+            vn_hi, vn_lo = tiles.split(v_new, dtype, 2)
+            vd_hi, vd_lo = tiles.split(v_new * tiles.by_col(jnp.exp(G_last - G_col), v_new.shape), dtype, 2)
 
             def publish_values():
                 s["vn_pub"].at[half].T[...] = vn_hi  # [C, BV]
@@ -435,9 +417,9 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
             """Ag of chunk i, in place of its T0 tile, for the state warpgroup."""
             slot = lax.rem(i, stages)
             plgpu.barrier_wait(in_bar.at[slot])
-            t0 = _load(ag_s.at[slot]).astype(_F32)  # [C, C]
-            decay = _decayed_lower(_load(G_s.at[slot], _ROW), _load(G_s.at[slot], _COL), sq)
-            ag = t0 * decay * _cols(_load(b_s.at[slot], _COL), sq)
+            t0 = tiles.load(ag_s.at[slot]).astype(_F32)  # [C, C]
+            decay = _decayed_lower(tiles.load(G_s.at[slot], _ROW), tiles.load(G_s.at[slot], _COL), sq)
+            ag = t0 * decay * tiles.by_col(tiles.load(b_s.at[slot], _COL), sq)
             # the diagonal (beta) is applied in fp32 by the state warpgroup (module docstring, precision)
             strict = tiles.iota(sq, 0) > tiles.iota(sq, 1)
             ag_s.at[slot][...] = jnp.where(strict, ag, 0.0).astype(dtype)
@@ -466,8 +448,8 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
             def _():
                 prepare(i + 1)
 
-            G_row = _load(G_s.at[slot], _ROW)
-            decay = _decayed_lower(G_row, _load(G_s.at[slot], _COL), sq)
+            G_row = tiles.load(G_s.at[slot], _ROW)
+            decay = _decayed_lower(G_row, tiles.load(G_s.at[slot], _COL), sq)
             (scores,) = _matmuls((sq, ((q_s.at[slot], k_s.at[slot].T),)))
             p_s[...] = (scale * scores * decay).astype(dtype)  # decay is 0 above the diagonal
             plgpu.commit_smem()
@@ -476,7 +458,7 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
                               ((CHUNK, BLOCK_V), ((p_s, vn_pub.at[half]),)))
             plgpu.barrier_arrive(s["s_free"].at[half])
             plgpu.barrier_arrive(in_free.at[slot])
-            o = _rows(scale * jnp.exp(G_row), qs.shape) * qs + pv
+            o = tiles.by_row(scale * jnp.exp(G_row), qs.shape) * qs + pv
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's store has read o_s
             o_s[...] = o.astype(dtype)
             plgpu.commit_smem()

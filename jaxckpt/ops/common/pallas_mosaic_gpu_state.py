@@ -75,6 +75,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
 
 CHUNK = 64
@@ -83,7 +84,6 @@ _F32 = jnp.float32
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
 _COL = _WG.reduce(0)  # one value per column
-_SWIZZLE = 128  # bytes: a 64-element 16-bit row; every tile's minor dim is a multiple of it
 _SMEM_BYTES = 227 * 1024
 _STATE, _OUTPUT = 0, 1  # warpgroup ids; the memory warpgroup is the last one
 
@@ -98,32 +98,6 @@ class Checkpoints(NamedTuple):
     chunk_start: object      # i32[NC] packed index of each chunk's first token
     chunk_len: object        # i32[NC]
     G: object                # fp32 [HV, NC, C] (GDN) or [HV, NC, C, K] (KDA): chunk-local cumulative log decay
-
-
-def _swizzled(shape, dtype):
-    """SMEM tile laid out for TMA and wgmma: (8, 128-byte) tiles, 128-byte swizzle."""
-    elems = _SWIZZLE // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(_SWIZZLE)))
-
-
-def _load(ref, layout=_WG):
-    return plgpu.load(ref, layout=layout, optimized=False)
-
-
-def _rows(x, shape):
-    """A per-row vector (`_ROW` layout) broadcast along the columns."""
-    return lax.broadcast_in_dim(x, shape, [0])
-
-
-def _cols(x, shape):
-    """A per-column vector (`_COL` layout) broadcast along the rows."""
-    return lax.broadcast_in_dim(x, shape, [1])
-
-
-def _halves(x, dtype):
-    """x (fp32) as x_hi + x_lo, two 16-bit arrays."""
-    hi = x.astype(dtype)
-    return hi, (x - hi.astype(_F32)).astype(dtype)
 
 
 def _lhs(x, detour):
@@ -240,7 +214,7 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
             keys = plgpu.broadcasted_iota(jnp.int32, state_shape, 1, layout=_WG)
             S0 = jnp.where(identity & (keys == rows + j * BLOCK_V), 1.0, 0.0).astype(_F32)
         elif has_init:
-            S0 = _load(init_ref.at[lane, h, cols])
+            S0 = tiles.load(init_ref.at[lane, h, cols])
         else:
             S0 = plgpu.layout_cast(jnp.zeros(state_shape, _F32), _WG)
         detour = lambda name: s.get(name)  # noqa: E731  (interpret only)
@@ -249,7 +223,7 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
             """The checkpoints of chunk c (module docstring); its keys are landing in kr_hi."""
             kr_hi, kr_lo = s["kr_hi"], s["kr_lo"]
             plgpu.barrier_wait(s["k_bar"])
-            k_c = _load(kr_hi)  # [C, K] 16-bit (half the registers of fp32); kr_hi is rewritten below
+            k_c = tiles.load(kr_hi)  # [C, K] 16-bit (half the registers of fp32); kr_hi is rewritten below
             tile = (chunk, head_k)
             a_hi, a_lo = _lhs(vn_hi, detour("vn_hi_d")), _lhs(vn_lo, detour("vn_lo_d"))
 
@@ -259,16 +233,16 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
                 inside = jnp.where(r > 0, 1.0, 0.0)  # r = 0: no rows below, decay exp(0): S itself
                 before = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=_WG) < r
                 if channel:
-                    G_c = _load(G_ref.at[h, c])  # [C, K]
-                    G_r = _load(G_ref.at[h, c, at], _COL)  # [K]
-                    decay = _cols(jnp.exp(G_r * inside), state_shape)
-                    G_r = _cols(G_r, tile)
+                    G_c = tiles.load(G_ref.at[h, c])  # [C, K]
+                    G_r = tiles.load(G_ref.at[h, c, at], _COL)  # [K]
+                    decay = tiles.by_col(jnp.exp(G_r * inside), state_shape)
+                    G_r = tiles.by_col(G_r, tile)
                 else:
-                    G_c = _rows(_load(dec_s.at[slot], _ROW), tile)
+                    G_c = tiles.by_row(tiles.load(dec_s.at[slot], _ROW), tile)
                     G_r = dec_s[slot, at]
                     decay = jnp.exp(G_r * inside)
                 kr = jnp.where(before, k_c.astype(_F32) * jnp.exp(jnp.where(before, G_r - G_c, -jnp.inf)), 0.0)
-                hi, lo = _halves(kr, dtype)
+                hi, lo = tiles.split(kr, dtype, 2)
                 kr_hi[...] = hi
                 kr_lo[...] = lo
                 plgpu.commit_smem()
@@ -297,13 +271,13 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
                     plgpu.copy_gmem_to_smem(keys_ref.at[ck_start_ref[c], :, hk], s["kr_hi"], s["k_bar"])
 
             plgpu.barrier_wait(in_bar.at[slot])
-            s_hi, s_lo = _halves(S, dtype)
+            s_hi, s_lo = tiles.split(S, dtype, 2)
             w_t = w_s.at[slot].T  # [K, C]
-            u_t = _load(u_s.at[slot].T).astype(_F32)  # [BV, C]
+            u_t = tiles.load(u_s.at[slot].T).astype(_F32)  # [BV, C]
             if map_mode:
                 u_t = jnp.where(identity, jnp.zeros_like(u_t), u_t)
             if channel:
-                decay = _cols(jnp.exp(_load(dec_s.at[slot], _COL)), state_shape)  # G_last per key: columns of S^T
+                decay = tiles.by_col(jnp.exp(tiles.load(dec_s.at[slot], _COL)), state_shape)  # G_last per key: columns of S^T
             else:
                 decay = jnp.exp(dec_s[slot, chunk - 1])  # padded rows have g = 0: the last real token's G
 
@@ -316,7 +290,7 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
 
             pairs = ((_lhs(s_hi, detour("s_hi_d")), w_t), (_lhs(s_lo, detour("s_lo_d")), w_t))
             v_new = u_t - _matmul((BLOCK_V, chunk), pairs, None if map_mode else publish_state)  # v_new^T [BV, C]
-            vn_hi, vn_lo = _halves(v_new, dtype)
+            vn_hi, vn_lo = tiles.split(v_new, dtype, 2)
 
             def publish_values():
                 s["vn_pub"].at[half].T[...] = vn_hi  # [C, BV]
@@ -451,24 +425,24 @@ def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ch
                     jax.ShapeDtypeStruct((max(num_ckpt, 1), num_v_heads, head_v, head_k), _F32)]
     consumers = 1 if map_mode else 2
     scratch = dict(
-        w_s=_swizzled((stages, chunk, head_k), dtype), u_s=_swizzled((stages, chunk, BLOCK_V), dtype),
-        kd_s=_swizzled((stages, chunk, head_k), dtype), dec_s=plgpu.SMEM((stages, decays.shape[-1]), _F32),
+        w_s=tiles.swizzled((stages, chunk, head_k), dtype), u_s=tiles.swizzled((stages, chunk, BLOCK_V), dtype),
+        kd_s=tiles.swizzled((stages, chunk, head_k), dtype), dec_s=plgpu.SMEM((stages, decays.shape[-1]), _F32),
         in_bar=plgpu.Barrier(num_arrivals=4 if map_mode else 6, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
         done=plgpu.Barrier(num_arrivals=consumers + 1))
     if not map_mode:
         scratch.update(
-            qg_s=_swizzled((stages, chunk, head_k), dtype), aqk_s=_swizzled((stages, chunk, chunk), dtype),
-            s_pub=_swizzled((publish_slots, BLOCK_V, head_k), dtype),
-            vn_pub=_swizzled((publish_slots, chunk, BLOCK_V), dtype),
-            o_s=_swizzled((chunk, BLOCK_V), dtype),
+            qg_s=tiles.swizzled((stages, chunk, head_k), dtype), aqk_s=tiles.swizzled((stages, chunk, chunk), dtype),
+            s_pub=tiles.swizzled((publish_slots, BLOCK_V, head_k), dtype),
+            vn_pub=tiles.swizzled((publish_slots, chunk, BLOCK_V), dtype),
+            o_s=tiles.swizzled((chunk, BLOCK_V), dtype),
             s_ready=plgpu.Barrier(num_barriers=publish_slots), s_free=plgpu.Barrier(num_barriers=publish_slots))
     if has_checkpoints:
-        scratch.update(kr_hi=_swizzled((chunk, head_k), dtype), kr_lo=_swizzled((chunk, head_k), dtype),
+        scratch.update(kr_hi=tiles.swizzled((chunk, head_k), dtype), kr_lo=tiles.swizzled((chunk, head_k), dtype),
                        k_bar=plgpu.Barrier())
     if interpret:
-        scratch.update(s_hi_d=_swizzled((BLOCK_V, head_k), dtype), s_lo_d=_swizzled((BLOCK_V, head_k), dtype),
-                       vn_hi_d=_swizzled((BLOCK_V, chunk), dtype), vn_lo_d=_swizzled((BLOCK_V, chunk), dtype))
+        scratch.update(s_hi_d=tiles.swizzled((BLOCK_V, head_k), dtype), s_lo_d=tiles.swizzled((BLOCK_V, head_k), dtype),
+                       vn_hi_d=tiles.swizzled((BLOCK_V, chunk), dtype), vn_lo_d=tiles.swizzled((BLOCK_V, chunk), dtype))
 
     body = functools.partial(_lanes_kernel, chunk=chunk, group=group, channel=channel, stages=stages,
                              publish_slots=publish_slots, map_mode=map_mode, has_init=has_init,

@@ -1,6 +1,7 @@
-"""Pieces shared by the Pallas Mosaic GPU intra kernels (`pallas_mosaic_gpu_intra` for GDN,
-`pallas_mosaic_gpu_kda_intra` for KDA): SMEM tile layouts, WGMMA-layout index helpers, hi + lo operand splits and
-the wgmma product sums. Written against jax 0.11.2."""
+"""Pieces shared by the Pallas Mosaic GPU kernels (the intra passes `pallas_mosaic_gpu_intra` for GDN and
+`pallas_mosaic_gpu_kda_intra` for KDA, the state passes `pallas_mosaic_gpu_delta`, `pallas_mosaic_gpu_state`,
+`pallas_mosaic_gpu_gdn_fused`): SMEM tile layouts, WGMMA-layout index helpers, hi + lo operand splits and the wgmma
+product sums. Written against jax 0.11.2."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ def swizzled(shape, dtype):
     swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
                                                 plgpu.SwizzleTransform(swizzle)))
+
+
+def load(ref, layout=WG):
+    return plgpu.load(ref, layout=layout, optimized=False)
 
 
 def iota(shape, dim):
