@@ -75,34 +75,58 @@ def jax_time(fn, *args, warmup: int = 3, reps: int = 20) -> dict:
     return _stats(times)
 
 
-def jax_device_time(fn, *args, reps: int = 10) -> float:
-    """Summed GPU kernel time per call (ms) from a profiler trace of `reps` synced calls: the device time, without
-    the host's dispatch and sync that `jax_time` includes."""
+def trace_events(trace_dir) -> list[tuple[float, float, str, str, bool]]:
+    """The complete events of the perfetto trace `jax.profiler.trace(trace_dir, create_perfetto_trace=True)` wrote:
+    (start us, duration us, name, "process thread" name, on a GPU stream), by start time."""
     import glob
     import gzip
+
+    path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not path:
+        raise RuntimeError(f"no perfetto trace under {trace_dir}")
+    with gzip.open(path[0], "rt") as handle:
+        trace = json.load(handle)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    threads = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
+               for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    processes = {e.get("pid"): e.get("args", {}).get("name", "")
+                 for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    out = []
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        where = f"{processes.get(e.get('pid'), '')} {threads.get((e.get('pid'), e.get('tid')), '')}".lower()
+        # device rows of the trace are the GPU streams; host rows (python, XLA ops launched) are not
+        out.append((float(e["ts"]), float(e["dur"]), e["name"], where, "/device:gpu" in where or "stream" in where))
+    return sorted(out)
+
+
+def kernel_times(fn, args, *, reps: int) -> tuple[dict, float]:
+    """({kernel name: ms per call}, summed kernel ms per call) from a perfetto trace of `reps` calls: the device time,
+    without the host's dispatch and sync that `jax_time` includes."""
+    import collections
     import tempfile
 
     import jax
 
     jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(reps):
-                jax.block_until_ready(fn(*args))
-        with gzip.open(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0],
-                       "rt") as handle:
-            trace = json.load(handle)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
-             for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    names.update({(e.get("pid"), None): e.get("args", {}).get("name", "")
-                  for e in events if e.get("ph") == "M" and e.get("name") == "process_name"})
-    total = 0.0
-    for e in events:
-        where = f"{names.get((e.get('pid'), None), '')} {names.get((e.get('pid'), e.get('tid')), '')}".lower()
-        if e.get("ph") == "X" and "dur" in e and ("/device:gpu" in where or "stream" in where):
-            total += e["dur"]
-    return total / 1e3 / reps
+                out = fn(*args)
+            jax.block_until_ready(out)
+        events = trace_events(trace_dir)
+    totals = collections.Counter()
+    for _, duration, name, _, on_gpu in events:
+        if on_gpu:
+            totals[name] += duration / 1e3 / reps
+    return dict(totals.most_common()), float(sum(totals.values()))
+
+
+def jax_device_time(fn, *args, reps: int = 10) -> float:
+    """Summed GPU kernel time per call (ms), `kernel_times`' total."""
+    return kernel_times(fn, args, reps=reps)[1]
 
 
 def torch_time(fn, *, warmup_ms: int = 50, rep_ms: int = 300) -> dict:

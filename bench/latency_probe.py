@@ -14,8 +14,6 @@ wall - span is host latency before the first kernel plus the sync; span - busy i
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
 import json
 import os
 import tempfile
@@ -27,31 +25,17 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from bench.common import device, implementation_spec, jax_time, versions  # noqa: E402
+from bench.common import device, implementation_spec, jax_time, trace_events, versions  # noqa: E402
 from bench.ops_bench import checkpoint_lists, delta_inputs  # noqa: E402
 
 
-def _gpu_events(trace_dir):
-    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-    with gzip.open(paths[0], "rt") as handle:
-        trace = json.load(handle)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    threads = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
-               for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    processes = {e.get("pid"): e.get("args", {}).get("name", "")
-                 for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu, marks, host = [], [], []
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e:
-            continue
-        where = f"{processes.get(e.get('pid'), '')} {threads.get((e.get('pid'), e.get('tid')), '')}".lower()
-        if "/device:gpu" in where or "stream" in where:
-            gpu.append((float(e["ts"]), float(e["dur"]), e["name"]))
-        elif e["name"].startswith("probe_call_"):
-            marks.append((float(e["ts"]), float(e["dur"])))
-        else:
-            host.append((float(e["ts"]), float(e["dur"]), e["name"], where[-40:]))
-    return sorted(gpu), sorted(marks), sorted(host)
+def _split_events(events):
+    """(GPU events, the probe's per-call marks, other host events) of `trace_events`' list."""
+    gpu = [(ts, dur, name) for ts, dur, name, _, on_gpu in events if on_gpu]
+    marks = [(ts, dur) for ts, dur, name, _, on_gpu in events if not on_gpu and name.startswith("probe_call_")]
+    host = [(ts, dur, name, where[-40:]) for ts, dur, name, where, on_gpu in events
+            if not on_gpu and not name.startswith("probe_call_")]
+    return gpu, marks, host
 
 
 def probe(fn, args, *, reps=10):
@@ -78,7 +62,7 @@ def probe(fn, args, *, reps=10):
             for i in range(reps):
                 with jax.profiler.TraceAnnotation(f"probe_call_{i}"):
                     jax.block_until_ready(fn(*args))
-        gpu, marks, host = _gpu_events(trace_dir)
+        gpu, marks, host = _split_events(trace_events(trace_dir))
     spans, busy, counts, gaps = [], [], [], []
     for ts, dur in marks:
         inside = [e for e in gpu if ts <= e[0] <= ts + dur]

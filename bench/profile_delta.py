@@ -12,12 +12,8 @@ one per row, so the checkpoint cost shows up per kernel.
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
 import json
 import os
-import tempfile
 import traceback
 from pathlib import Path
 
@@ -25,44 +21,11 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from bench.common import device, implementation_spec, versions  # noqa: E402
+from bench.common import device, implementation_spec, kernel_times, versions  # noqa: E402
 from bench.ops_bench import checkpoint_lists, delta_inputs  # noqa: E402
 
 DELTA_CASES = [[8192], [32768]]
 SSD_CASES = [(32768, 32)]
-
-
-def kernel_times(fn, args, *, reps: int) -> tuple[dict, float]:
-    """({kernel name: ms per call}, summed kernel ms per call) from a perfetto trace of `reps` calls."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            for _ in range(reps):
-                out = fn(*args)
-            jax.block_until_ready(out)
-        paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-        if not paths:
-            raise RuntimeError(f"no perfetto trace under {trace_dir}")
-        with gzip.open(paths[0], "rt") as handle:
-            trace = json.load(handle)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    threads = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
-               for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    processes = {e.get("pid"): e.get("args", {}).get("name", "")
-                 for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    totals = collections.Counter()
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e:
-            continue
-        where = f"{processes.get(e.get('pid'), '')} {threads.get((e.get('pid'), e.get('tid')), '')}".lower()
-        # device rows of the trace are the GPU streams; host rows (python, XLA ops launched) are skipped
-        if "/device:gpu" not in where and "stream" not in where:
-            continue
-        totals[e["name"]] += e["dur"] / 1e3 / reps
-    return dict(totals.most_common()), float(sum(totals.values()))
 
 
 def delta_case(kind, lengths, mode, impl):
