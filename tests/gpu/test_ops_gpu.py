@@ -8,7 +8,8 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-IMPLEMENTATIONS = {"gdn": ("xla", "pallas_triton"), "kda": ("xla", "pallas_triton"), "ssd": ("xla", "pallas_triton"),
+IMPLEMENTATIONS = {"gdn": ("xla", "pallas_triton"), "kda": ("xla", "pallas_triton"),
+                   "ssd": ("xla", "pallas_triton", "pallas_mosaic_gpu"),
                    "conv1d": ("xla",)}
 
 
@@ -81,7 +82,7 @@ def test_real_head_size_bf16_against_float64(op, impl):
         assert err < 6e-3, (name, err)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_triton", "pallas_mosaic_gpu"])
 def test_ssd_real_head_size_bf16_against_float64(impl):
     import jax.numpy as jnp
 

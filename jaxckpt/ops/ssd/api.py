@@ -11,6 +11,7 @@ REGISTRY = MappingProxyType({
     "reference": "jaxckpt.ops.ssd.reference:ssd",
     "xla": "jaxckpt.ops.ssd.xla:ssd",
     "pallas_triton": "jaxckpt.ops.ssd.pallas_triton:ssd",
+    "pallas_mosaic_gpu": "jaxckpt.ops.ssd.pallas_mosaic_gpu:ssd",
 })
 
 
