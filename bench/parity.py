@@ -174,7 +174,7 @@ def parity() -> list[dict]:
                   for n, a in {**arrays, **options}.items()}
     torch_arrays = {n: cuda(a, torch.bfloat16 if n in bf_names else torch.float32)
                     for n, a in {**arrays, **options}.items()}
-    for impl in ("xla", "pallas_triton"):
+    for impl in ("xla", "pallas_triton", "pallas_mosaic_gpu"):
         attempt(results, "ssd", f"jaxckpt.{impl}",
                 lambda impl=impl: ops.ssd(**jax_arrays, initial_state=jnp.asarray(h0), implementation=impl, **meta),
                 expected, ccu, offsets)
@@ -186,7 +186,31 @@ def parity() -> list[dict]:
     attempt(results, "ssd", "torch_bridge.bridge(jaxckpt.xla)",
             lambda: interop.ssd(**torch_arrays, initial_state=cuda(h0), implementation="xla", **meta),
             expected, ccu, offsets)
+    no_checkpoints = np.zeros_like(ccu), np.zeros(0, np.int32)
+    attempt(results, "ssd", "fla.chunk_simple_gla (core; no checkpoints)",
+            lambda: fla_ssd(arrays, options, h0, cu), expected[:2] + (expected[2][:0],), *no_checkpoints)
     return results
+
+
+def fla_ssd(arrays, options, h0, cu):
+    """SSD through FLA's simple GLA as a user would run it: q = C, k = B per head, v = delta x (rounded to bf16: FLA
+    takes v in the input dtype), g = delta A, then D x and the z gate in fp32."""
+    import torch
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    x, dt, A, B, C = (np.asarray(arrays[n], np.float64) for n in ("x", "dt", "A", "B", "C"))
+    heads, groups = x.shape[1], B.shape[1]
+    raw = dt + options["dt_bias"]
+    delta = np.where(raw > 20, raw, np.log1p(np.exp(np.minimum(raw, 20))))
+    per_head = lambda a: np.repeat(a, heads // groups, axis=1)  # noqa: E731
+    cuda = lambda a, dtype=torch.float32: torch.tensor(np.ascontiguousarray(a), device="cuda").to(dtype)  # noqa: E731
+    y, final = chunk_simple_gla(cuda(per_head(C), torch.bfloat16)[None], cuda(per_head(B), torch.bfloat16)[None],
+                                cuda(x * delta[..., None], torch.bfloat16)[None], cuda(delta * A)[None], scale=1.0,
+                                initial_state=cuda(np.swapaxes(h0, -1, -2)), output_final_state=True,
+                                cu_seqlens=cuda(cu, torch.long))
+    y = y[0].float().cpu().numpy() + options["D"][None, :, None] * x
+    z = np.asarray(options["z"], np.float64)
+    return y * z / (1 + np.exp(-z)), np.swapaxes(final.float().cpu().numpy(), -1, -2), np.zeros((0,) + h0.shape[1:])
 
 
 def parity_markdown(payload: dict) -> str:

@@ -149,3 +149,13 @@ def test_lowers_for_sm90(monkeypatch, head_n):
     text = jax.export.export(jax.jit(call), platforms=["cuda"])(*args).mlir_module()
     assert "ssd_lanes" in text and "ssd_lanes_states" in text
     assert sizes and max(sizes) <= 227 * 1024, sizes
+
+
+def test_no_tokens_and_the_public_entry():
+    from jaxckpt import ops
+
+    rng = fresh_rng()
+    empty = make_inputs(rng, 0, 1, np.array([0, 0], np.int32))
+    y, final, _ = ops.ssd(**empty, implementation="pallas_mosaic_gpu", kernel_options=dict(interpret=True))
+    assert y.shape == (0, HEADS, P)
+    np.testing.assert_array_equal(np.asarray(final), np.asarray(empty["initial_state"]))

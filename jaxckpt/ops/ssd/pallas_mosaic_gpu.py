@@ -504,19 +504,20 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     else:
         checkpoint_states = jnp.where(lay.checkpoint_valid[:, None, None, None], checkpoint_states, 0)
 
-    if aligned:
+    if aligned:  # every token in a row: no gather, no mask, and no pass at all without D and z
         y = y_c.reshape(padded_tokens, num_heads, head_p)
     else:
         slot = lay.token_chunk * CHUNK + lay.token_pos
-        y = y_c.reshape(-1, num_heads, head_p)[slot]
-    y = y.astype(_F32)
-    if D is not None:
-        y = y + D.astype(_F32).reshape(num_heads, -1) * x.astype(_F32)
-    if z is not None:
-        zf = z.astype(_F32)
-        y = y * zf * jax.nn.sigmoid(zf)
-    # tokens past cu_seqlens[-1] belong to no row: zeros rather than garbage
-    y = jnp.where(lay.token_valid[:, None, None], y, 0).astype(x.dtype)[:num_tokens]
+        # tokens past cu_seqlens[-1] belong to no row: zeros rather than garbage
+        y = jnp.where(lay.token_valid[:, None, None], y_c.reshape(-1, num_heads, head_p)[slot], 0)[:num_tokens]
+    if D is not None or z is not None:
+        out = y.astype(_F32)
+        if D is not None:
+            out = out + D.astype(_F32).reshape(num_heads, -1) * x[:num_tokens].astype(_F32)
+        if z is not None:
+            zf = z.astype(_F32)
+            out = out * zf * jax.nn.sigmoid(zf)
+        y = jnp.where(lay.token_valid[:num_tokens, None, None], out, 0).astype(x.dtype)
     if state_layout == "kv":
         final_state, checkpoint_states = final_state.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
     return y, final_state, checkpoint_states
