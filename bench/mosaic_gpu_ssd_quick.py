@@ -3,7 +3,7 @@ jla's Mosaic GPU simple GLA (SSD's core: q = C, k = B, v = delta x, g = delta A)
 time per call, per-kernel breakdown, and our output against the Triton SSD's.
 
 Ours runs as users call it: x [T, H, P] with cu_seqlens traced (the gathered chunk-major layout) or batched
-[1, T, H, P] (cu_seqlens None: the aligned layout, no gathers), an initial state, and optionally one checkpoint at
+[1, T, H, P] (cu_seqlens None: metadata known on the host), an initial state, and optionally one checkpoint at
 the row's last 1024-token boundary.
 
     python -m bench.mosaic_gpu_ssd_quick --shapes 8192,128 32768,32 --out r.json
@@ -73,7 +73,7 @@ def main(argv=None):
                 record(f"{name} traced_cu ckpt={ckpt}", shape, f, *arrays, cu, ccu, off, out=extra)
         f = jax.jit(lambda x, dt, A, B, C, h0: ops.ssd(x[None], dt[None], A, B[None], C[None], initial_state=h0,
                                                         implementation="pallas_mosaic_gpu"))
-        record("pallas_mosaic_gpu batched (aligned)", shape, f, *arrays)
+        record("pallas_mosaic_gpu batched", shape, f, *arrays)
         try:
             from jla.ops import linear_attention
 

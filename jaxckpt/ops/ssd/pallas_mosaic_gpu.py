@@ -9,34 +9,43 @@ the chain. So one kernel walks a *lane* (a contiguous range of one row's chunks,
 state in registers and writes outputs, the final state and checkpoint states; nothing per chunk goes to memory
 but y.
 
-Per grid point (lane, head h, column block j of BP = 64 of P), one CTA of three warpgroups, carrying
-S^T-free the mamba layout S [BP, N] fp32 in registers (WGMMA layout, N = d_state on the columns):
+Per grid point (lane, head h, column block j of BP = 64 of P), one CTA of three warpgroups, carrying the mamba
+layout S [BP, N] fp32 in registers (WGMMA layout, N = d_state on the columns, as N / 64 pieces of 64 columns):
 - memory (last warpgroup, registers lowered): a TMA ring (2 to 4 slots) of the chunk's x[:, cols] [C, BP],
-  B [C, N], C [C, N] (group h // (H / G)) and its Acs and delta rows [C] fp32.
+  B [C, N] and C [C, N] (group h // (H / G)), each as [C, 64] pieces, read straight from the packed token arrays
+  at the chunk's first token ("Token layout" below), and its Acs and delta rows [C] fp32.
 - state (warpgroup 0): with w_j = exp(Acs_last - Acs_j) delta_j,
-      S <- exp(Acs_last) S + (x^T w) B                      (A = x^T w [BP, C] from registers, B = the B tile)
-  x^T comes from a transposed load of the x tile; x^T w is split into 16-bit hi + lo (two wgmmas into one fp32
-  accumulator), so the carried state only sees fp32 accumulation rounding (x and B are exact 16-bit inputs).
+      S <- exp(Acs_last) S + (x^T w) B                      (A = x^T w [BP, C] from registers, B = the B pieces)
+  x^T comes from a transposed load of the x tile; x^T w is split into 16-bit hi + lo (two wgmmas per accumulator),
+  so the carried state only sees fp32 accumulation rounding (x and B are exact 16-bit inputs).
   Before issuing the update it publishes S rounded to 16 bits (S_hi) into one of two SMEM slots for the output
   warpgroup. Checkpoints: a chunk with ck_count[c] > 0 forms, for each of its checkpoints at chunk position r,
   exp(Acs_{r-1}) S + (x^T w_r) B with w_r,j = exp(Acs_{r-1} - Acs_j) delta_j for j < r, else 0 (r = 0: S itself),
   before the update, and stores it fp32 straight from registers. The carried S never depends on checkpoints.
-- output (warpgroup 1): scores = C B^T (wgmma, both operands SMEM), P = scores * exp(Acs_i - Acs_j) delta_j for
-  j <= i (masked before the exp), rounded to 16 bits; then y = exp(Acs_i) (C S_hi^T) + P x (two accumulators,
-  issued together; P from registers), staged and TMA-stored into the chunk-major y [NC, C, H, P] (a TMA store
-  cannot be masked by rows, so every chunk is written whole). Precision as mamba_ssm's and FLA's chunk scans: the
-  output products take the state and P in 16 bits with fp32 accumulation.
+- output (warpgroup 1): scores = C B^T (wgmma, both operands SMEM), P = scores * exp(Acs_i - Acs_j) delta_j kept
+  by a select on j <= i and j < the chunk's length, rounded to 16 bits; then y = exp(Acs_i) (C S_hi^T) + P x (two
+  accumulators, issued together; P from registers), staged in SMEM and TMA-stored into y [T, H, P] at the chunk's
+  tokens. Precision as mamba_ssm's and FLA's chunk scans: the output products take the state and P in 16 bits
+  with fp32 accumulation.
 Ring slots are refilled once both consumers have released them (`in_free`, two arrivals); published S slots are
 reused once the output warpgroup has read them (`s_free`). All warpgroups meet at a final barrier (a warpgroup
 exiting while another still issues wgmmas has faulted on sm_90 with jax 0.11.2) and every waiter observes every
 phase of its barriers (the interpreter checks it).
 
-Token layout. A TMA copy into a tiled SMEM tile must start on a whole (8, 64) tile of its GMEM array
-(`jaxckpt.ops.common.pallas_mosaic_gpu_delta` docstring, "TMA addresses"), which chunk starts of varlen rows are
-not. So x, B and C are gathered into chunk-major copies [NC, C, H, P] / [NC, C, G, N] (rows past a chunk's tokens
-zero, by a select: NaN padding stays out) and y is gathered back; padding slots get delta = 0, so they neither
-decay nor add input. When the rows are known on the host (cu_seqlens None or concrete) and every row length is a
-multiple of C, chunk c is tokens [cC, (c + 1) C) and both copies are free reshapes ("aligned" layout).
+Token layout. Chunks start wherever their row puts them, and Mosaic GPU issues a TMA between GMEM and an (8, 64)-
+tiled SMEM tile over the GMEM array tiled the same way, which drops rows at a start off the 8-row grid
+(`jaxckpt.ops.common.pallas_mosaic_gpu_delta` docstring, "TMA addresses"). A TMA into an *untiled* 128-byte-swizzled
+tile has no such limit, and for 64 two-byte columns (one 128-byte row) the untiled and the tiled layouts are the
+same bytes. So every operand tile is a [C, 64] piece allocated once as a `plgpu.RefUnion` of an untiled view (the
+TMA target) and a tiled view (the wgmma operand), and y leaves the same way: no chunk-major copies, no gathers.
+Checked on the H200 (a TMA at row 13 read back through the tiled view by a wgmma) and by the GPU tests; Mosaic GPU's
+interpreter keeps the two views apart, so under `interpret` the TMAs use the tiled view directly (the interpreter
+copies any rows) and the token arrays get C zero rows appended (its TMA would clamp a box past the end; the GPU
+fills such rows with zeros). Rows of a chunk past its length hold the next row's tokens, padding (possibly NaN) or
+zeros: the state warpgroup masks x^T by a select and zeroes those rows of the B pieces in SMEM, the output
+warpgroup zeroes them in the x tile (a tensor-core product turns 0 * NaN into NaN) and masks P's columns. A row's
+last, partial chunk leaves through a plain SMEM tile as TMA boxes of 32, 16, ..., 1 rows (a TMA store cannot be
+masked); the CTAs of one extra, empty lane write zeros over the padding tokens past the last row.
 
 Sequence split (`pieces`). A lane runs its chunks in order, so one row and few heads leave SMs idle ((1, 32768,
 32) at P = 64: 32 CTAs on 132 SMs). As for the delta rules (`pallas_mosaic_gpu_split`), every row is cut into
@@ -48,7 +57,7 @@ rounding. `choose_pieces`: 1 when rows x heads x P / 64 already fill half the SM
 up to 8 whose main pass fits in one wave of CTAs, keeping >= 8 chunks per piece on average.
 
 SMEM at N = 128, BP = 64, bf16: a ring slot holds x 8 KB + B 16 KB + C 16 KB + 512 B of rows (state-only pass:
-24.5 KB), plus two published S_hi tiles (32 KB) and the y staging tile (8 KB): 4 slots fit in 227 KB.
+24.5 KB), plus two published S_hi tiles (32 KB) and two y staging tiles (16 KB): 4 slots fit in 227 KB.
 
 Interpret mode: Mosaic GPU's interpreter (jax 0.11.2) reads a wgmma's A operand only from SMEM, so under
 `interpret` register operands take a detour through scratch tiles; its wgmma is an fp32 matmul of the 16-bit
@@ -77,6 +86,7 @@ from jaxckpt.plan.layout import chunk_layout, searchsorted
 
 CHUNK = 64
 BLOCK_P = 64
+PIECE = 64  # columns of every SMEM operand tile: one 128-byte swizzle row at 16 bits
 HEAD_DIMS = (64, 128)  # P (blocks of 64) and N (the registers of the carried [64, N] fp32 state)
 DTYPES = (jnp.bfloat16, jnp.float16)
 TUNING_KEYS = ("pieces", "stages")
@@ -126,7 +136,7 @@ def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, **tuning) -
 def _stages(head_n, dtype, *, has_output, stages=None):
     size = jnp.dtype(dtype).itemsize
     per_stage = CHUNK * (BLOCK_P + (2 if has_output else 1) * head_n) * size + 2 * 4 * CHUNK
-    fixed = (_PUBLISH * BLOCK_P * head_n + CHUNK * BLOCK_P) * size if has_output else 0
+    fixed = (_PUBLISH * BLOCK_P * head_n + 2 * CHUNK * BLOCK_P) * size if has_output else 0
     fixed += 1024  # barriers and alignment
     for depth in (4, 3, 2) if stages is None else (stages,):
         if depth * per_stage + fixed <= _SMEM_BYTES:
@@ -144,43 +154,67 @@ def _lhs(x, detour):
     return detour
 
 
-def _matmul(shape, pairs, during=None):
-    """sum(a @ b for a, b in pairs) into an fp32 accumulator; `during()` runs between the issue and the read. The
-    optimization barrier keeps arithmetic on the result after the accumulator read (its wait has no data
-    dependency on the registers)."""
-    def scoped(acc):
-        for a, b in pairs:
-            plgpu.wgmma(acc, a, b)
+def _matmuls(*products, during=None):
+    """For each (pairs, shape): sum(a @ b for a, b in pairs) into its own fp32 accumulator, all issued before the
+    first wait; `during()` runs between the issue and the reads. The optimization barrier keeps arithmetic on the
+    results after the accumulator reads (their wait has no data dependency on the registers)."""
+    def scoped(*accs):
+        for acc, (pairs, _) in zip(accs, products):
+            for a, b in pairs:
+                plgpu.wgmma(acc, a, b)
         if during is not None:
             during()
-        return acc[...]
+        return tuple(acc[...] for acc in accs)
 
-    return lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, _F32)))
+    return lax.optimization_barrier(pl.run_scoped(scoped, *(plgpu.ACC(shape, _F32) for _, shape in products)))
 
 
-def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, **s):
+def _zero_rows(tile, length):
+    """Rows >= length of an SMEM tile [C, 64] set to 0 (a select: NaN there stays out of the tensor-core products,
+    where 0 * NaN would be NaN)."""
+    rows = tiles.iota((CHUNK, PIECE), 0)
+    tile[...] = jnp.where(rows < length, tiles.load(tile), jnp.zeros((), tile.dtype))
+    plgpu.commit_smem()
+
+
+def _store_rows(rows_s, dst, start, length):
+    """Rows [0, length) of the plain SMEM tile rows_s [C, 64] to dst rows [start, start + length): TMA boxes of 32, 16,
+    ..., 1 rows (a TMA store cannot be masked, and rows past length belong to the next row or to padding)."""
+    offset = 0
+    for bit in (32, 16, 8, 4, 2, 1):
+        @pl.when(lax.bitwise_and(length, bit) != 0)
+        def _():
+            plgpu.copy_smem_to_gmem(rows_s.at[pl.ds(offset, bit)], dst.at[pl.ds(start + offset, bit)])
+
+        offset = offset + lax.bitwise_and(length, bit)
+
+
+def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, interpret, pad_lane, **s):
     refs = list(refs)
     take = lambda count: [refs.pop(0) for _ in range(count)]  # noqa: E731
-    first_ref, count_ref, acs_ref, delta_ref, x_ref, b_ref = take(6)
-    c_ref = refs.pop(0) if has_output else None
+    first_ref, count_ref, start_ref, len_ref, acs_ref, delta_ref, x_ref, b_ref = take(8)
+    c_ref, pad_ref = take(2) if has_output else (None, None)
     init_ref = refs.pop(0) if has_init else None
     ck_start_ref, ck_count_ref, ck_pos_ref = take(3) if has_checkpoints else (None, None, None)
     y_ref = refs.pop(0) if has_output else None
     end_ref = refs.pop(0)
     ckpt_ref = refs.pop(0) if has_checkpoints else None
-    x_s, b_s, acs_s, delta_s, in_bar, in_free = (s["x_s"], s["b_s"], s["acs_s"], s["delta_s"], s["in_bar"],
-                                                 s["in_free"])
+    land, ring = s["ring"]  # the same SMEM: TMA lands in `land` (untiled), wgmmas read `ring` (tiled)
+    acs_s, delta_s, in_bar, in_free = s["acs_s"], s["delta_s"], s["in_bar"], s["in_free"]
+    x_s, b_s = ring["x"], ring["b"]
 
     lane, h, j = lax.axis_index("l"), lax.axis_index("h"), lax.axis_index("j")
     wg = lax.axis_index("wg")
     g = lax.div(h, reps)
-    head_n = b_s.shape[-1]
+    pieces = b_s.shape[1]  # N / 64
     dtype = x_s.dtype
     first, count = first_ref[lane], count_ref[lane]
     cols = pl.ds(j * BLOCK_P, BLOCK_P)
-    state_shape = (BLOCK_P, head_n)
+    half_shape = (BLOCK_P, PIECE)  # one 64-column piece of the state S [BP, N]
     memory_wg = 2 if has_output else 1
     detour = lambda name: s.get(name)  # noqa: E731  (interpret only)
+    # the interpreter copies any rows into tiled SMEM; the GPU needs the untiled landing views for that
+    target = ring if interpret else land
 
     @pl.when(wg == memory_wg)
     def _memory():
@@ -193,13 +227,15 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, **s)
             def _():
                 plgpu.barrier_wait(in_free.at[slot])  # the consumers are done with chunk i - stages
 
-            bar = in_bar.at[slot]
-            plgpu.copy_gmem_to_smem(x_ref.at[c, :, h, cols], x_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(b_ref.at[c, :, g], b_s.at[slot], bar)
+            bar, rows = in_bar.at[slot], pl.ds(start_ref[c], CHUNK)
+            plgpu.copy_gmem_to_smem(x_ref.at[rows, h, cols], target["x"].at[slot], bar)
+            for k in range(pieces):
+                piece = pl.ds(k * PIECE, PIECE)
+                plgpu.copy_gmem_to_smem(b_ref.at[rows, g, piece], target["b"].at[slot, k], bar)
+                if has_output:
+                    plgpu.copy_gmem_to_smem(c_ref.at[rows, g, piece], target["c"].at[slot, k], bar)
             plgpu.copy_gmem_to_smem(acs_ref.at[h, c], acs_s.at[slot], bar)
             plgpu.copy_gmem_to_smem(delta_ref.at[h, c], delta_s.at[slot], bar)
-            if has_output:
-                plgpu.copy_gmem_to_smem(c_ref.at[c, :, g], s["c_s"].at[slot], bar)
             return carry
 
         lax.fori_loop(0, count, refill, 0)
@@ -213,22 +249,29 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, **s)
     @pl.when(wg == _STATE)
     def _state():
         plgpu.set_max_registers(232, action="increase")
-        S0 = tiles.load(init_ref.at[lane, h, cols]) if has_init else plgpu.layout_cast(
-            jnp.zeros(state_shape, _F32), _WG)
+        if has_init:
+            S0 = tuple(tiles.load(init_ref.at[lane, h, cols, pl.ds(k * PIECE, PIECE)]) for k in range(pieces))
+        else:
+            S0 = tuple(plgpu.layout_cast(jnp.zeros(half_shape, _F32), _WG) for _ in range(pieces))
         tile_t = (BLOCK_P, CHUNK)  # x^T
+        token = tiles.iota(tile_t, 1)
+
+        def update(S, decay, x_w, slot, during=None):
+            """decay * S + (x_w) B, x_w = x^T with its token columns weighted, as hi + lo register operands."""
+            hi, lo = tiles.split(x_w, dtype, 2)
+            a_hi, a_lo = _lhs(hi, detour("xw_hi_d")), _lhs(lo, detour("xw_lo_d"))
+            added = _matmuls(*((((a_hi, b_s.at[slot, k]), (a_lo, b_s.at[slot, k])), half_shape)
+                               for k in range(pieces)), during=during)
+            return tuple(decay * S_k + a for S_k, a in zip(S, added))
 
         def checkpoints(c, slot, S, x_t, acs, delta):
-            token = tiles.iota(tile_t, 1)
-
             def one(m, carry):
                 r = ck_pos_ref[m]
-                before = token < r
                 acs_r = acs_s[slot, jnp.maximum(r - 1, 0)]
                 decay = jnp.exp(jnp.where(r > 0, acs_r, 0.0))  # r = 0: no tokens, S itself
-                weights = jnp.exp(jnp.where(before, acs_r - acs, -jnp.inf)) * delta
-                hi, lo = tiles.split(x_t * weights, dtype, 2)
-                pairs = ((_lhs(hi, detour("xw_hi_d")), b_s.at[slot]), (_lhs(lo, detour("xw_lo_d")), b_s.at[slot]))
-                ckpt_ref.at[m, h, cols][...] = decay * S + _matmul(state_shape, pairs)
+                weights = jnp.exp(jnp.where(token < r, acs_r - acs, -jnp.inf)) * delta
+                for k, state in enumerate(update(S, decay, x_t * weights, slot)):
+                    ckpt_ref.at[m, h, cols, pl.ds(k * PIECE, PIECE)][...] = state
                 return carry
 
             start = ck_start_ref[c]
@@ -236,34 +279,43 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, **s)
 
         def step(i, S):
             c, slot, half = first + i, lax.rem(i, stages), lax.rem(i, _PUBLISH)
+            length = len_ref[c]
             plgpu.barrier_wait(in_bar.at[slot])
+
+            @pl.when(length < CHUNK)
+            def _():
+                # this warpgroup's products read B whole; the output warpgroup's scores mask its columns by a select
+                for k in range(pieces):
+                    _zero_rows(b_s.at[slot, k], length)
+
             acs = tiles.by_col(tiles.load(acs_s.at[slot], _COL), tile_t)
-            acs_last = acs_s[slot, CHUNK - 1]  # padding slots have delta = 0: the last real token's
             delta = tiles.by_col(tiles.load(delta_s.at[slot], _COL), tile_t)
+            acs_last = acs_s[slot, CHUNK - 1]  # padding slots have delta = 0: the last real token's
             x_t = tiles.load(x_s.at[slot].T).astype(_F32)  # [BP, C]
+            x_t = jnp.where(token < length, x_t, 0.0)  # rows past the chunk: the next row's tokens or padding
             if has_checkpoints:
                 @pl.when(ck_count_ref[c] > 0)
                 def _():
                     checkpoints(c, slot, S, x_t, acs, delta)
-
-            weights = jnp.exp(acs_last - acs) * delta
-            hi, lo = tiles.split(x_t * weights, dtype, 2)
 
             def publish():
                 @pl.when(i >= _PUBLISH)
                 def _():
                     plgpu.barrier_wait(s["s_free"].at[half])  # the output warpgroup read the slot's last S
 
-                s["s_pub"].at[half][...] = S.astype(dtype)
+                for k in range(pieces):
+                    s["s_pub"].at[half, k][...] = S[k].astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(s["s_ready"].at[half])
 
-            pairs = ((_lhs(hi, detour("xw_hi_d")), b_s.at[slot]), (_lhs(lo, detour("xw_lo_d")), b_s.at[slot]))
-            S_next = jnp.exp(acs_last) * S + _matmul(state_shape, pairs, publish if has_output else None)
+            S_next = update(S, jnp.exp(acs_last), x_t * (jnp.exp(acs_last - acs) * delta), slot,
+                            publish if has_output else None)
             plgpu.barrier_arrive(in_free.at[slot])
             return S_next
 
-        end_ref.at[lane, h, cols][...] = lax.fori_loop(0, count, step, S0)
+        S = lax.fori_loop(0, count, step, S0)
+        for k in range(pieces):
+            end_ref.at[lane, h, cols, pl.ds(k * PIECE, PIECE)][...] = S[k]
         if has_output:
             def drain(i, carry):
                 plgpu.barrier_wait(s["s_free"].at[lax.rem(i, _PUBLISH)])
@@ -275,94 +327,155 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, **s)
         @pl.when(wg == _OUTPUT)
         def _output():
             plgpu.set_max_registers(232, action="increase")
-            c_s, s_pub, y_s = s["c_s"], s["s_pub"], s["y_s"]
+            c_s, s_pub = ring["c"], s["s_pub"]
+            y_land, y_s = s["y_staging"]
+            y_store = y_s if interpret else y_land
+            rows_s = s["y_rows"]
             square = (CHUNK, CHUNK)
-            lower = tiles.iota(square, 0) >= tiles.iota(square, 1)
+            below = tiles.iota(square, 0) >= tiles.iota(square, 1)
+            out_shape = (CHUNK, BLOCK_P)
 
             def step(i, carry):
                 c, slot, half = first + i, lax.rem(i, stages), lax.rem(i, _PUBLISH)
+                start, length = start_ref[c], len_ref[c]
                 plgpu.barrier_wait(in_bar.at[slot])
-                scores = _matmul(square, ((c_s.at[slot], b_s.at[slot].T),))  # C B^T
+
+                @pl.when(length < CHUNK)
+                def _():
+                    _zero_rows(x_s.at[slot], length)  # P x: P's zero columns would not stop a NaN there
+
+                (scores,) = _matmuls((tuple((c_s.at[slot, k], b_s.at[slot, k].T) for k in range(pieces)), square))
                 acs_i = tiles.load(acs_s.at[slot], _ROW)
-                decay = jnp.exp(jnp.where(lower, tiles.by_row(acs_i, square)
+                keep = below & (tiles.iota(square, 1) < length)
+                decay = jnp.exp(jnp.where(keep, tiles.by_row(acs_i, square)
                                           - tiles.by_col(tiles.load(acs_s.at[slot], _COL), square), -jnp.inf))
-                p = (scores * decay * tiles.by_col(tiles.load(delta_s.at[slot], _COL), square)).astype(dtype)
+                weights = decay * tiles.by_col(tiles.load(delta_s.at[slot], _COL), square)
+                p = jnp.where(keep, scores * weights, 0.0).astype(dtype)
                 plgpu.barrier_wait(s["s_ready"].at[half])
-                inter, intra = tiles.dots(((c_s.at[slot],), (s_pub.at[half].T,), (CHUNK, BLOCK_P)),
-                                          ((_lhs(p, detour("p_d")),), (x_s.at[slot],), (CHUNK, BLOCK_P)))
+                inter, intra = _matmuls(
+                    (tuple((c_s.at[slot, k], s_pub.at[half, k].T) for k in range(pieces)), out_shape),
+                    (((_lhs(p, detour("p_d")), x_s.at[slot]),), out_shape))
                 plgpu.barrier_arrive(s["s_free"].at[half])
                 plgpu.barrier_arrive(in_free.at[slot])
-                y = tiles.by_row(jnp.exp(acs_i), (CHUNK, BLOCK_P)) * inter + intra
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's store has read y_s
-                y_s[...] = y.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(y_s, y_ref.at[c, :, h, cols])
+                y = (tiles.by_row(jnp.exp(acs_i), out_shape) * inter + intra).astype(dtype)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores have read the tiles
+                dst = y_ref.at[:, h, cols]
+
+                @pl.when(length == CHUNK)
+                def _():
+                    y_s[...] = y
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(y_store, dst.at[pl.ds(start, CHUNK)])
+
+                @pl.when(length < CHUNK)
+                def _():
+                    rows_s[...] = y
+                    plgpu.commit_smem()
+                    _store_rows(rows_s, dst, start, length)
+
                 return carry
 
             lax.fori_loop(0, count, step, 0)
+
+            # the tokens past the last row (padding) are written as zeros by the CTAs of the extra last lane
+            @pl.when(lane == pad_lane)
+            def _():
+                pad_start, pad_len = pad_ref[0], pad_ref[1]
+                rows_s[...] = plgpu.layout_cast(jnp.zeros(out_shape, dtype), _WG)
+                plgpu.commit_smem()
+                dst = y_ref.at[:, h, cols]
+
+                def zeros(i, carry):
+                    plgpu.copy_smem_to_gmem(rows_s, dst.at[pl.ds(pad_start + i * CHUNK, CHUNK)])
+                    return carry
+
+                lax.fori_loop(0, lax.div(pad_len, CHUNK), zeros, 0)
+                _store_rows(rows_s, dst, pad_start + pad_len - lax.rem(pad_len, CHUNK), lax.rem(pad_len, CHUNK))
+
             plgpu.wait_smem_to_gmem(0)
 
     plgpu.barrier_arrive(s["done"])
     plgpu.barrier_wait(s["done"])
 
 
-def ssd_lanes(lane_first, lane_count, acs, delta, x, B, C, lane_init=None, checkpoints=None, *, interpret=False,
-              stages=None):
-    """The SSD scan over L lanes (module docstring), all arrays chunk-major.
+def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, C, lane_init=None, checkpoints=None,
+              *, interpret=False, stages=None):
+    """The SSD scan over L lanes (module docstring), reading the packed token arrays directly.
 
     lane_first, lane_count  # i32[L]: lane l walks chunks lane_first[l] .. + lane_count[l] - 1 (lanes never share one)
+    chunk_start, chunk_len  # i32[NC]: each chunk's first packed token and token count (`ChunkLayout`)
     acs, delta              # fp32 [H, NC, C]: chunk-local inclusive cumsum of delta * A, and delta (padding 0)
-    x                       # [NC, C, H, P] 16-bit, rows past a chunk's tokens zero
-    B, C                    # [NC, C, G, N] same dtype; C None: the state-only pass (no outputs)
+    x                       # [T, H, P] 16-bit
+    B, C                    # [T, G, N] same dtype; C None: the state-only pass (no outputs)
     lane_init               # fp32 [L, H, P, N] start states, or None (zeros)
     checkpoints             # (ck_start i32[NC], ck_count i32[NC], checkpoint_pos i32[M]) or None
-    Returns (y chunk-major [NC, C, H, P] (chunks outside every lane unspecified; None without C), lane_end fp32
-    [L, H, P, N], checkpoint_states fp32 [M, H, P, N] or None).
+    Returns (y [T, H, P] (None without C; every token of every lane written, tokens past the last lane's last chunk
+    zero, others untouched), lane_end fp32 [L, H, P, N], checkpoint_states fp32 [M, H, P, N] or None).
     """
-    num_chunks, chunk, num_heads, head_p = x.shape
-    num_groups, head_n = B.shape[2:]
-    if chunk != CHUNK or head_p % BLOCK_P or head_n not in HEAD_DIMS:
-        raise ValueError(f"x, B: expected {CHUNK}-row chunks, P a multiple of {BLOCK_P}, N in {HEAD_DIMS}, got "
-                         f"{x.shape}, {B.shape}")
+    num_tokens, num_heads, head_p = x.shape
+    num_groups, head_n = B.shape[1:]
+    if head_p % BLOCK_P or head_n not in HEAD_DIMS:
+        raise ValueError(f"x, B: expected P a multiple of {BLOCK_P}, N in {HEAD_DIMS}, got {x.shape}, {B.shape}")
     has_output = C is not None
     has_init = lane_init is not None
     has_checkpoints = checkpoints is not None and checkpoints[2].shape[0] > 0
     dtype = x.dtype
     num_lanes = lane_first.shape[0]
     stages = _stages(head_n, dtype, has_output=has_output, stages=stages)
+    pieces = head_n // PIECE
 
-    inputs = [lane_first.astype(jnp.int32), lane_count.astype(jnp.int32), acs.astype(_F32), delta.astype(_F32), x, B]
-    inputs += [C] if has_output else []
+    lanes = [lane_first.astype(jnp.int32), lane_count.astype(jnp.int32)]
+    if has_output:  # one more lane, empty, whose CTAs zero the padding tokens
+        lanes = [jnp.concatenate([a, jnp.zeros(1, jnp.int32)]) for a in lanes]
+        if has_init:
+            lane_init = jnp.concatenate([lane_init, jnp.zeros_like(lane_init[:1])])
+    grid_lanes = lanes[0].shape[0]
+    inputs = lanes + [chunk_start.astype(jnp.int32), chunk_len.astype(jnp.int32), acs.astype(_F32),
+                      delta.astype(_F32), x, B]
+    if has_output:
+        used = chunk_start[lane_first + lane_count - 1] + chunk_len[lane_first + lane_count - 1]
+        pad_start = jnp.max(jnp.where(lane_count > 0, used, 0), initial=0).astype(jnp.int32)
+        inputs += [C, jnp.stack([pad_start, num_tokens - pad_start])]
     inputs += [lane_init.astype(_F32)] if has_init else []
     inputs += [a.astype(jnp.int32) for a in checkpoints] if has_checkpoints else []
     state_type = lambda rows: jax.ShapeDtypeStruct((rows, num_heads, head_p, head_n), _F32)  # noqa: E731
-    out_type = ([jax.ShapeDtypeStruct(x.shape, dtype)] if has_output else []) + [state_type(num_lanes)]
+    out_type = ([jax.ShapeDtypeStruct(x.shape, dtype)] if has_output else []) + [state_type(grid_lanes)]
     out_type += [state_type(checkpoints[2].shape[0])] if has_checkpoints else []
     consumers = 2 if has_output else 1
+    untiled = lambda shape: plgpu.SMEM(shape, dtype, transforms=(plgpu.SwizzleTransform(128),))  # noqa: E731
+    ring_shapes = dict(x=(stages, CHUNK, PIECE), b=(stages, pieces, CHUNK, PIECE))
+    if has_output:
+        ring_shapes["c"] = (stages, pieces, CHUNK, PIECE)
+    # 64 two-byte columns are one 128-byte swizzle row, so the untiled and the (8, 64)-tiled layouts of these tiles
+    # are the same bytes (module docstring, "Token layout")
+    ring = plgpu.RefUnion({k: untiled(v) for k, v in ring_shapes.items()},
+                          {k: tiles.swizzled(v, dtype) for k, v in ring_shapes.items()})
+    copies = 1 + (2 if has_output else 1) * pieces + 2
     scratch = dict(
-        x_s=tiles.swizzled((stages, CHUNK, BLOCK_P), dtype), b_s=tiles.swizzled((stages, CHUNK, head_n), dtype),
-        acs_s=plgpu.SMEM((stages, CHUNK), _F32), delta_s=plgpu.SMEM((stages, CHUNK), _F32),
-        in_bar=plgpu.Barrier(num_arrivals=5 if has_output else 4, num_barriers=stages),
+        ring=ring, acs_s=plgpu.SMEM((stages, CHUNK), _F32), delta_s=plgpu.SMEM((stages, CHUNK), _F32),
+        in_bar=plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
         done=plgpu.Barrier(num_arrivals=consumers + 1))
     if has_output:
-        scratch.update(c_s=tiles.swizzled((stages, CHUNK, head_n), dtype),
-                       s_pub=tiles.swizzled((_PUBLISH, BLOCK_P, head_n), dtype), y_s=tiles.swizzled((CHUNK, BLOCK_P), dtype),
+        scratch.update(s_pub=tiles.swizzled((_PUBLISH, pieces, BLOCK_P, PIECE), dtype),
+                       y_staging=plgpu.RefUnion(untiled((CHUNK, BLOCK_P)), tiles.swizzled((CHUNK, BLOCK_P), dtype)),
+                       y_rows=plgpu.SMEM((CHUNK, BLOCK_P), dtype),
                        s_ready=plgpu.Barrier(num_barriers=_PUBLISH), s_free=plgpu.Barrier(num_barriers=_PUBLISH))
     if interpret:
         scratch.update(xw_hi_d=tiles.swizzled((BLOCK_P, CHUNK), dtype), xw_lo_d=tiles.swizzled((BLOCK_P, CHUNK), dtype))
         if has_output:
             scratch.update(p_d=tiles.swizzled((CHUNK, CHUNK), dtype))
     body = functools.partial(_ssd_kernel, reps=num_heads // num_groups, stages=stages, has_output=has_output,
-                             has_init=has_init, has_checkpoints=has_checkpoints)
+                             has_init=has_init, has_checkpoints=has_checkpoints, interpret=bool(interpret),
+                             pad_lane=grid_lanes - 1)
     kernel = plgpu.kernel(
-        body, out_type=tuple(out_type), scratch_types=scratch, grid=(num_lanes, num_heads, head_p // BLOCK_P),
+        body, out_type=tuple(out_type), scratch_types=scratch, grid=(grid_lanes, num_heads, head_p // BLOCK_P),
         grid_names=("l", "h", "j"), num_threads=consumers + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=tiles.interpret_params(interpret), kernel_name="ssd_lanes" if has_output else "ssd_lanes_states")
     outs = list(kernel(*inputs))
     y = outs.pop(0) if has_output else None
-    lane_end = outs.pop(0)
+    lane_end = outs.pop(0)[:num_lanes]
     return y, lane_end, (outs.pop(0) if has_checkpoints else None)
 
 
@@ -383,18 +496,6 @@ def choose_pieces(num_rows, num_heads, head_p, num_tokens, *, num_sms=None) -> i
     while 2 * pieces <= MAX_PIECES and plain * 2 * pieces <= num_sms and chunks / (2 * pieces) >= MIN_CHUNKS_PER_PIECE:
         pieces *= 2
     return pieces
-
-
-def _aligned_rows(cu_seqlens, num_tokens) -> bool:
-    """Whether every row is known on the host to start and end on the C-token grid (module docstring)."""
-    if num_tokens % CHUNK or num_tokens == 0:
-        return False
-    if cu_seqlens is None:
-        return True
-    if isinstance(cu_seqlens, jax.core.Tracer):
-        return False
-    cu = np.asarray(cu_seqlens)
-    return bool(np.all(cu % CHUNK == 0)) and int(cu[-1]) == num_tokens
 
 
 def _softplus(v):
@@ -445,7 +546,6 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     reason = supports(x, dt, B, C, z, chunk_size=chunk_size, interpret=interpret, pieces=pieces, stages=stages)
     if reason is not None:
         raise ValueError(reason)
-    aligned = _aligned_rows(cu_seqlens, x.shape[0])
     (x, dt, A, B, C, D, dt_bias, z), dims = check_ssd_inputs(x, dt, A, B, C, D=D, dt_bias=dt_bias, z=z)
     num_tokens, num_heads, head_p, num_groups, head_n = dims
     limit = check_dt_limit(dt_limit)
@@ -457,32 +557,26 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
         init = check_float(initial_state, name="initial_state").astype(_F32)
         check_ssd_state(init, dims, num_rows, state_layout)
         init = init.swapaxes(-1, -2) if state_layout == "kv" else init
-    if num_tokens == 0:
-        # one zero token keeps every gather in range; no lane walks a chunk
-        x, B, C = (jnp.zeros((1, *a.shape[1:]), a.dtype) for a in (x, B, C))
-        dt = jnp.zeros((1, num_heads), dt.dtype)
-    padded_tokens = x.shape[0]
-    lay = chunk_layout(cu, ccu, offsets, chunk_size=CHUNK, num_tokens=padded_tokens, xp=jnp)
-    num_chunks = padded_tokens // CHUNK if aligned else lay.chunk_len.shape[0]
+    tokens = x, B, C
+    if num_tokens == 0 or interpret:
+        # a chunk's TMA box may reach past the last token: the GPU fills those rows with zeros, the interpreter
+        # would clamp the box's start, so it gets zero rows to read; no token at all keeps one zero row
+        tokens = tuple(jnp.pad(a, [(0, CHUNK if interpret else 1)] + [(0, 0)] * (a.ndim - 1)) for a in tokens)
+    lay = chunk_layout(cu, ccu, offsets, chunk_size=CHUNK, num_tokens=tokens[0].shape[0], xp=jnp)
+    num_chunks = lay.chunk_len.shape[0]
 
     raw = dt.astype(_F32) if dt_bias is None else dt.astype(_F32) + dt_bias.astype(_F32)
     delta = _softplus(raw)  # [T, H]
     if limit is not None:
         delta = jnp.clip(delta, *limit)
     pos = jnp.arange(CHUNK, dtype=jnp.int32)
-    if aligned:
-        chunked = lambda a: a.reshape(num_chunks, CHUNK, *a.shape[1:])  # noqa: E731
-        delta_c = chunked(delta).transpose(2, 0, 1)  # [H, NC, C]
+    token_ids = jnp.clip(lay.chunk_start[:, None] + pos, 0, max(num_tokens - 1, 0))  # i32[NC, C]
+    in_chunk = (pos < lay.chunk_len[:, None])[None]  # bool[1, NC, C]
+    if num_tokens:
+        delta_c = jnp.where(in_chunk, delta.T[:, token_ids], 0.0)  # [H, NC, C], padding slots 0
     else:
-        tokens = jnp.clip(lay.chunk_start[:, None] + pos, 0, padded_tokens - 1)  # i32[NC, C]
-        in_chunk = pos < lay.chunk_len[:, None]  # bool[NC, C]
-
-        def chunked(a):
-            return jnp.where(in_chunk.reshape(*in_chunk.shape, *(1,) * (a.ndim - 1)), a[tokens], jnp.zeros((), a.dtype))
-
-        delta_c = chunked(delta).transpose(2, 0, 1)
-    acs = jnp.cumsum(delta_c * A.astype(_F32)[:, None, None], axis=-1)  # [H, NC, C] chunk-local
-    x_c, B_c, C_c = chunked(x), chunked(B), chunked(C)
+        delta_c = jnp.zeros((num_heads, num_chunks, CHUNK), _F32)
+    acs = jnp.cumsum(delta_c * A.astype(_F32)[:, None, None], axis=-1)  # chunk-local
 
     checkpoints = None
     if num_ckpt:
@@ -491,29 +585,25 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     if pieces == "auto":
         pieces = choose_pieces(num_rows, num_heads, head_p, num_tokens)
     lanes = split_lanes(lay.row_first_chunk, lay.row_num_chunks, pieces=pieces)
+    chunks = (lay.chunk_start, lay.chunk_len, acs, delta_c)
     lane_init = init
     if pieces > 1:
         head_lanes = tuple(a.reshape(num_rows, pieces)[:, :-1].reshape(-1) for a in lanes)
-        _, ends, _ = ssd_lanes(*head_lanes, acs, delta_c, x_c, B_c, None, interpret=interpret, stages=stages)
+        _, ends, _ = ssd_lanes(*head_lanes, *chunks, *tokens[:2], None, interpret=interpret, stages=stages)
         lane_init = _piece_starts(lanes, acs, ends, init, num_rows, pieces)
-    y_c, lane_end, checkpoint_states = ssd_lanes(*lanes, acs, delta_c, x_c, B_c, C_c, lane_init, checkpoints,
-                                                 interpret=interpret, stages=stages)
+    y, lane_end, checkpoint_states = ssd_lanes(*lanes, *chunks, *tokens, lane_init, checkpoints, interpret=interpret,
+                                               stages=stages)
+    y = y[:num_tokens]  # tokens past the last row come back zero
     final_state = lane_end.reshape(num_rows, pieces, *lane_end.shape[1:])[:, -1]
     if checkpoint_states is None:
         checkpoint_states = jnp.zeros((0, num_heads, head_p, head_n), _F32)
     else:
         checkpoint_states = jnp.where(lay.checkpoint_valid[:, None, None, None], checkpoint_states, 0)
 
-    if aligned:  # every token in a row: no gather, no mask, and no pass at all without D and z
-        y = y_c.reshape(padded_tokens, num_heads, head_p)
-    else:
-        slot = lay.token_chunk * CHUNK + lay.token_pos
-        # tokens past cu_seqlens[-1] belong to no row: zeros rather than garbage
-        y = jnp.where(lay.token_valid[:, None, None], y_c.reshape(-1, num_heads, head_p)[slot], 0)[:num_tokens]
     if D is not None or z is not None:
         out = y.astype(_F32)
         if D is not None:
-            out = out + D.astype(_F32).reshape(num_heads, -1) * x[:num_tokens].astype(_F32)
+            out = out + D.astype(_F32).reshape(num_heads, -1) * x.astype(_F32)
         if z is not None:
             zf = z.astype(_F32)
             out = out * zf * jax.nn.sigmoid(zf)
