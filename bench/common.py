@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -127,6 +128,39 @@ def kernel_times(fn, args, *, reps: int) -> tuple[dict, float]:
 def jax_device_time(fn, *args, reps: int = 10) -> float:
     """Summed GPU kernel time per call (ms), `kernel_times`' total."""
     return kernel_times(fn, args, reps=reps)[1]
+
+
+class Timing(NamedTuple):
+    out: object                 # the outputs of the first (compiling) call
+    wall_ms: float              # `jax_time`'s median
+    kernels: dict               # {kernel name: device ms per call} (`kernel_times`); empty without a trace
+    device_ms: float | None     # their sum; None without a trace
+
+
+def time_call(fn, args, *, warmup: int = 3, reps: int = 20, trace_reps: int | None = None) -> Timing:
+    """One variant of a quick bench (bench/mosaic_gpu_*_quick.py): a first call for the outputs (compiling it), the
+    median wall time of `reps` device-synced calls after `warmup` (`jax_time`), and the device time per kernel from
+    a profiler trace of `trace_reps` calls (`kernel_times`; default `reps`; 0: no trace)."""
+    import jax
+
+    out = jax.block_until_ready(fn(*args))
+    wall_ms = jax_time(fn, *args, warmup=warmup, reps=reps)["median_ms"]
+    if trace_reps == 0:
+        return Timing(out, wall_ms, {}, None)
+    kernels, device_ms = kernel_times(fn, args, reps=reps if trace_reps is None else trace_reps)
+    return Timing(out, wall_ms, kernels, device_ms)
+
+
+def max_rel(actual, expected) -> float:
+    """max |a - b| / max |b| (0 for empty arrays)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30)) if expected.size else 0.0
+
+
+def rel_rms(actual, expected) -> float:
+    """||a - b|| / ||b|| (0 for empty arrays)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30)) if expected.size else 0.0
 
 
 def torch_time(fn, *, warmup_ms: int = 50, rep_ms: int = 300) -> dict:

@@ -3,10 +3,10 @@ time per kernel against state "v1" and "v2" (both with the Mosaic GPU intra pass
 
 GPU: `python -m bench.mosaic_gpu_fused_split_quick [--rows 1] [--tokens 8192 32768] [--heads 16]
 [--pieces 1 2 4 8 auto] [--checkpoints 0]`.
-Inputs as `bench.mosaic_gpu_split_quick` (K = V = 128, bf16 q, k, v l2-normalized in the op, an fp32 initial state
-per row). Printed per variant: the median wall ms, the summed device ms per call and the device ms of each kernel
-(`bench.profile_delta.kernel_times`: the fused path shows as gdn_kkt_mosaic_gpu, gdn_fused_lanes_map and
-gdn_fused_lanes next to the cumsum launch), and the rel-RMS of o, final state and checkpoints against state v1.
+Inputs and printout as `bench.mosaic_gpu_split_quick` (K = V = 128, bf16 q, k, v l2-normalized in the op, an fp32
+initial state per row; per variant the median wall ms, the summed device ms per call and the device ms of each
+kernel: the fused path shows as gdn_kkt_mosaic_gpu, gdn_fused_lanes_map and gdn_fused_lanes next to the cumsum
+launch), and the rel-RMS of o, final state and checkpoints against state v1.
 `--interpret` is a CPU dry run at tiny sizes (e.g. `--tokens 256 --heads 2 --dim 64 --pieces 1 2`), not a
 measurement.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -38,9 +37,7 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
 
-    from bench.common import jax_time
-    from bench.mosaic_gpu_split_quick import errors, make_inputs
-    from bench.profile_delta import kernel_times
+    from bench.mosaic_gpu_split_quick import checkpoint_meta, make_inputs, print_variants
     from jaxckpt.ops.common.pallas_mosaic_gpu_split import choose_pieces
     from jaxckpt.ops.gdn.pallas_mosaic_gpu import gated_delta_rule
 
@@ -55,34 +52,15 @@ def main(argv=None):
             T = rows * length
             inputs = make_inputs(rng, "gdn", T, args.heads, args.dim, rows)
             meta = dict(cu_seqlens=jnp.arange(rows + 1, dtype=jnp.int32) * length, interpret=args.interpret,
-                        use_qk_l2norm=True)
-            if args.checkpoints:
-                offsets = np.unique(np.clip(np.linspace(0, length, args.checkpoints + 2)[1:-1].astype(np.int32),
-                                            1, length - 1))
-                meta.update(checkpoint_cu=jnp.arange(rows + 1, dtype=jnp.int32) * offsets.size,
-                            checkpoint_offsets=jnp.asarray(np.tile(offsets, rows)))
+                        use_qk_l2norm=True, **checkpoint_meta(rows, length, args.checkpoints))
             arrays = [inputs[name] for name in ("q", "k", "v", "g", "beta", "initial_state")]
             label = f"gdn ({rows}, {length}, {args.heads}) K=V={args.dim} ckpts/row={args.checkpoints}"
             print(f"== {label}: choose_pieces -> {choose_pieces(rows, args.heads, args.dim, T)}", flush=True)
-            baseline = None
-            for name, options in variants.items():
-                fn = jax.jit(functools.partial(
-                    lambda q, k, v, g, beta, h0, options: gated_delta_rule(q, k, v, g, beta, initial_state=h0,
-                                                                           **meta, **options),
-                    options=options))
-                try:
-                    out = jax.block_until_ready(fn(*arrays))
-                    wall = jax_time(fn, *arrays)["median_ms"]
-                    kernels, device_ms = kernel_times(fn, arrays, reps=args.reps)
-                except Exception:  # noqa: BLE001 - one failing variant must not hide the others' times
-                    traceback.print_exc()
-                    print(f"{label} {name:16s} FAILED", flush=True)
-                    continue
-                baseline = out if baseline is None else baseline
-                note = "" if out is baseline else "  " + errors(out, baseline)
-                print(f"{label} {name:16s} wall {wall:8.3f} ms  device {device_ms:8.3f} ms{note}", flush=True)
-                for kernel, ms in kernels.items():
-                    print(f"    {ms:8.3f} ms  {kernel}", flush=True)
+            fns = {name: jax.jit(functools.partial(
+                lambda q, k, v, g, beta, h0, options: gated_delta_rule(q, k, v, g, beta, initial_state=h0, **meta,
+                                                                       **options),
+                options=options)) for name, options in variants.items()}
+            print_variants(label, fns, arrays, reps=args.reps)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@ intra launches it replaces (`pallas_triton_delta.intra_v2(..., per_channel_decay
 
 GPU: `python -m bench.mosaic_gpu_kda_intra_quick [--tokens 8192 32768] [--heads 16] [--dtype bfloat16]
 [--variants ...]`. Per shape (one row of T tokens, H = HV heads, K = V = 128, l2-normalized q and k), every pass
-gets the same `prepare` output (chunk layout, casts, G; not timed); prints for each the median wall time of a
-jitted, device-synced call (20 after 5 warmup calls), the device time of its kernels from a profiler trace, and the
-errors of every Mosaic GPU output against the Triton one (max |a - b| / max |b| and rel-RMS).
+gets the same `prepare` output (chunk layout, casts, G; not timed); prints for each (`bench.common.time_call`) the
+median wall time of a jitted, device-synced call (20 after 5 warmup calls), the device time of its kernels from a
+profiler trace, and the errors of every Mosaic GPU output against the Triton one (max |a - b| / max |b| and
+rel-RMS).
 
 `--variants`: the Mosaic GPU tuning options to time (`VARIANTS`; no names: all of them); without the flag, only
 `default` (`default_tuning`'s choice). The kernel's first version (one CTA per SM, whole-tile registers, split
@@ -23,6 +24,8 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
+
+from bench.common import max_rel, rel_rms, time_call  # noqa: E402
 
 OUTPUTS = ("w", "u", "kd", "qg", "aqk")
 CHUNK = 64
@@ -85,24 +88,12 @@ def mosaic_kda_intra(p, q, k, v, beta, G, *, interpret=False, **tuning):
                      group=v.shape[1] // q.shape[1], scale=p.scale, interpret=interpret, **tuning)
 
 
-def max_rel(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
-
-
-def rel_rms(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
-
-
 def main():
     import functools
 
     import jax
     import jax.numpy as jnp
 
-    from bench.common import jax_time
-    from bench.profile_delta import kernel_times
     from jaxckpt.ops.common.pallas_mosaic_gpu_kda_intra import default_tuning
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -131,13 +122,12 @@ def main():
             passes.append((f"{name} {tuning}", jax.jit(functools.partial(mosaic_kda_intra, p, interpret=args.interpret,
                                                                          **VARIANTS[name])), name))
         for label, fn, name in passes:
-            wall = jax_time(fn, *inputs, warmup=5, reps=20)["median_ms"]
-            per_kernel, total = kernel_times(fn, inputs, reps=20)
+            outputs, wall, per_kernel, total = time_call(fn, inputs, warmup=5, reps=20)
             kernels = ", ".join(f"{kernel} {ms:.3f}" for kernel, ms in sorted(per_kernel.items()))
             print(f"T {num_tokens:6d} {label}: wall {wall:.3f} ms, device {total:.3f} ms ({kernels})", flush=True)
             if name is not None:
                 errors = ", ".join(f"{out} {max_rel(a, b):.2e}/{rel_rms(a, b):.2e}"
-                                   for out, a, b in zip(OUTPUTS, fn(*inputs), reference))
+                                   for out, a, b in zip(OUTPUTS, outputs, reference))
                 print(f"T {num_tokens:6d} {name}: vs triton (max rel / rel-RMS): {errors}", flush=True)
 
 

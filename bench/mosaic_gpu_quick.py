@@ -3,7 +3,7 @@ pipeline, on one Hopper GPU.
 
 GPU: `python -m bench.mosaic_gpu_quick [--tokens 8192 32768] [--heads 16] [--op gdn kda] [--checkpoints 8]`.
 Per shape (one row of T tokens, H = HV heads, K = V = 128, bf16 q, k, v, l2-normalized in the op), each
-implementation is the jitted op module entry (`jaxckpt.ops.<op>.<impl>`), timed by `bench.common.jax_time` (median
+implementation is the jitted op module entry (`jaxckpt.ops.<op>.<impl>`), timed by `bench.common.time_call` (median
 wall time of 20 device-synced calls after warmup; compile excluded). Printed per implementation: ms, and the
 rel-RMS and max relative error (max |a - b| / max |b|) of o, final state and checkpoints against "pallas_triton"
 (default tuning: four launches, TF32 for the state-feeding dots). "pallas_triton@fuse" is the Triton pipeline with
@@ -19,7 +19,9 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import numpy as np
+import numpy as np  # noqa: E402
+
+from bench.common import max_rel, rel_rms, time_call  # noqa: E402
 
 
 def make_inputs(rng, op, num_tokens, heads, dim):
@@ -33,15 +35,8 @@ def make_inputs(rng, op, num_tokens, heads, dim):
 
 
 def errors(actual, expected) -> str:
-    out = []
-    for name, a, b in zip(("o", "final", "ckpt"), actual, expected):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        if b.size == 0:
-            continue
-        rms = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-        mx = np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
-        out.append(f"{name} rel-RMS {rms:.1e} max-rel {mx:.1e}")
-    return "; ".join(out)
+    return "; ".join(f"{name} rel-RMS {rel_rms(a, b):.1e} max-rel {max_rel(a, b):.1e}"
+                     for name, a, b in zip(("o", "final", "ckpt"), actual, expected) if np.size(b))
 
 
 def main(argv=None):
@@ -59,7 +54,6 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
 
-    from bench.common import jax_time
     from jaxckpt.ops.gdn import pallas_mosaic_gpu as gdn_mosaic
     from jaxckpt.ops.gdn import pallas_triton as gdn_triton
     from jaxckpt.ops.kda import pallas_mosaic_gpu as kda_mosaic
@@ -88,13 +82,12 @@ def main(argv=None):
             arrays = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
             baseline = None
             for name, fn in runs.items():
-                out = jax.block_until_ready(fn(*arrays))
-                stats = jax_time(fn, *arrays)
+                timed = time_call(fn, arrays, trace_reps=0)
                 if baseline is None:
-                    baseline = out
-                note = "" if fn is runs["pallas_triton"] else "  vs pallas_triton: " + errors(out, baseline)
+                    baseline = timed.out
+                note = "" if fn is runs["pallas_triton"] else "  vs pallas_triton: " + errors(timed.out, baseline)
                 print(f"{op} (1, {T}, {args.heads}) K=V={args.dim} bf16 ckpts={args.checkpoints} {name:20s} "
-                      f"{stats['median_ms']:8.3f} ms{note}", flush=True)
+                      f"{timed.wall_ms:8.3f} ms{note}", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,12 @@ GPU: `python -m bench.mosaic_gpu_state_quick [--shapes 1x8192x16 1x32768x16 8x40
 heads, K = V = 128, bf16, l2-normalized q, k, initial states), `pallas_triton_delta.prepare` + `intra_v2` run
 once; then, on their outputs, each of `pallas_mosaic_gpu_delta.state_pass` (v1),
 `pallas_mosaic_gpu_state.state_pass_v2` (v2) and the map_mode pass (`state_lanes(..., map_mode=True)` over the
-same lanes, the sequence split's first pass) is jitted and timed: wall = median of `bench.common.jax_time`
-(device-synced calls, compile excluded); device = the kernels of one call from a profiler trace
-(`bench.profile_delta.kernel_times`: total, then the state kernels by name). `--variants`: tunings of
-`state_pass_v2` timed too ("stages=3,publish_slots=1" is one variant; `pallas_mosaic_gpu_state`'s docstring).
-Printed for v2: max relative difference (max |a - b| / max |b|) against v1 of o (real tokens), final states and
-checkpoints. `--interpret` is a CPU dry run at tiny sizes (e.g. `--shapes 1x130x1 --dim 64 --reps 1`), not a
-measurement.
+same lanes, the sequence split's first pass) is jitted and timed by `bench.common.time_call`: wall = median of
+device-synced calls (compile excluded); device = the kernels of one call from a profiler trace (total, then the
+state kernels by name). `--variants`: tunings of `state_pass_v2` timed too ("stages=3,publish_slots=1" is one
+variant; `pallas_mosaic_gpu_state`'s docstring). Printed for v2: max relative difference (max |a - b| / max |b|)
+against v1 of o (real tokens), final states and checkpoints. `--interpret` is a CPU dry run at tiny sizes (e.g.
+`--shapes 1x130x1 --dim 64 --reps 1`), not a measurement.
 """
 
 from __future__ import annotations
@@ -22,6 +21,8 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
+
+from bench.common import implementation_spec, max_rel, time_call  # noqa: E402
 
 
 def intermediates(rng, op, batch, tokens, heads, dim, num_checkpoints, interpret):
@@ -58,11 +59,6 @@ def intermediates(rng, op, batch, tokens, heads, dim, num_checkpoints, interpret
     return p, tiles, init
 
 
-def max_rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) if b.size else 0.0
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1x8192x16", "1x32768x16", "8x4096x32"])
@@ -79,8 +75,6 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
 
-    from bench.common import implementation_spec, jax_time
-    from bench.profile_delta import kernel_times
     from jaxckpt.ops.common import pallas_mosaic_gpu_delta as mgd
     from jaxckpt.ops.common import pallas_mosaic_gpu_state as mgs
 
@@ -118,9 +112,8 @@ def main(argv=None):
                 baseline = None
                 label = f"{op} ({batch}, {tokens}, {heads}) K=V={args.dim} bf16 ckpts/row={num_ckpt}"
                 for name, fn in runs.items():
-                    out = jax.block_until_ready(fn(*call))
-                    wall = jax_time(fn, *call, reps=args.reps)["median_ms"]
-                    kernels, device_ms = kernel_times(fn, call, reps=max(args.reps // 4, 1))
+                    out, wall, kernels, device_ms = time_call(fn, call, reps=args.reps,
+                                                              trace_reps=max(args.reps // 4, 1))
                     named = ", ".join(f"{k} {v:.3f}" for k, v in kernels.items() if "delta_state" in k)
                     note = ""
                     if name.startswith("v1"):

@@ -3,10 +3,11 @@
 Each op folder holds the float64 `reference`, the portable `xla` path and GPU kernels (`pallas_*`) behind `api.py`.
 """
 
+from jaxckpt.ops.common.api import IgnoredKernelOptions
 from jaxckpt.ops.conv1d.api import causal_conv1d, causal_conv1d_paged
 from jaxckpt.ops.gdn.api import gated_delta_rule, gated_delta_rule_paged
 from jaxckpt.ops.kda.api import kda, kda_paged
 from jaxckpt.ops.ssd.api import ssd, ssd_paged
 
-__all__ = ["causal_conv1d", "causal_conv1d_paged", "gated_delta_rule", "gated_delta_rule_paged", "kda", "kda_paged",
+__all__ = ["IgnoredKernelOptions", "causal_conv1d", "causal_conv1d_paged", "gated_delta_rule", "gated_delta_rule_paged", "kda", "kda_paged",
            "ssd", "ssd_paged"]

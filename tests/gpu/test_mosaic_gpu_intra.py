@@ -6,10 +6,9 @@ Run on the GPU machine: `JAXCKPT_GPU_TESTS=1 JAX_PLATFORMS=cuda python -m pytest
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+from tests.gpu.mosaic_cases import CU_SEQLENS, NUM_TOKENS
 
-CU_SEQLENS = [0, 3000, 3001, 8190]  # then 2 padding tokens
-NUM_TOKENS = 8192
+pytestmark = pytest.mark.gpu
 
 
 FIRST = dict(inverse="split", chunks_per_cta=1, landing="rows")  # the kernel's first version

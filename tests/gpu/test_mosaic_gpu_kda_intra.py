@@ -7,10 +7,9 @@ Run on the GPU machine:
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+from tests.gpu.mosaic_cases import CU_SEQLENS, NUM_TOKENS
 
-CU_SEQLENS = [0, 3000, 3001, 8190]  # then 2 padding tokens
-NUM_TOKENS = 8192
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("dtype, strong, tuning, tol", [

@@ -14,9 +14,10 @@ Run on the GPU machine:
 import numpy as np
 import pytest
 
+from tests.gpu.mosaic_cases import BF16_TOL, delta_case, entries, rel_rms
+
 pytestmark = pytest.mark.gpu
 
-BF16_TOL = 6e-3  # tests/vectors/loader.py's "bf16" class (rel-RMS)
 AGREE_TOL = 2e-3  # against state "v1": the same intermediates, a different order of the fp32 products
 # state "fused" against "v1": different intermediates (no bf16 W, U), so they differ by about v1's own error
 FUSED_AGREE_TOL = BF16_TOL
@@ -25,52 +26,20 @@ LENGTH = 8192
 OFFSETS = (1, 100, 2048, 3000, 4096, 6144, 8191)
 
 
-def rel_rms(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
-def make_case(op, rng, lengths, offsets, heads=16, dim=128, long_memory=False):
-    """l2-normalized bf16 q, k, v, softplus-style log decays (KDA's per channel / 8), initial states (x 0.1).
-
-    `long_memory`: log decays ~ -1e-4 per token and beta in (0.005, 0.05) instead, so a state still matters
-    thousands of tokens later (a piece's map M is far from 0 and a wrong join shows; the initial state is ~7% of
-    the final one at 8192 tokens); with the softplus gates it is forgotten within a piece."""
-    import jax.numpy as jnp
-
-    def unit(x):
-        return x / np.linalg.norm(x, axis=-1, keepdims=True)
-
-    T, H, D = sum(lengths), heads, dim
-    q, k = (unit(rng.standard_normal((T, H, D))).astype(np.float32) for _ in range(2))
-    v = rng.standard_normal((T, H, D)).astype(np.float32)
-    g_shape = (T, H) if op == "gdn" else (T, H, D)
-    g = -np.log1p(np.exp(-rng.standard_normal(g_shape))).astype(np.float32) / (1 if op == "gdn" else 8)
-    beta = (1 / (1 + np.exp(-rng.standard_normal((T, H))))).astype(np.float32)
-    if long_memory:
-        g = -rng.exponential(1e-4, size=g_shape).astype(np.float32)
-        beta = rng.uniform(0.005, 0.05, size=(T, H)).astype(np.float32)
-    h0 = (rng.standard_normal((len(lengths), H, D, D)) * 0.1).astype(np.float32)
-    bf = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)]
-    meta = dict(cu_seqlens=np.cumsum([0, *lengths]).astype(np.int32),
-                checkpoint_cu=np.cumsum([0, *map(len, offsets)]).astype(np.int32),
-                checkpoint_offsets=np.concatenate(offsets).astype(np.int32), initial_state=h0)
-    return bf, g, beta, meta
-
-
-def entries(op):
-    from jaxckpt import ops
-    from jaxckpt.ops.gdn.reference import gated_delta_rule as gdn_ref
-    from jaxckpt.ops.kda.reference import kda as kda_ref
-
-    return (ops.gated_delta_rule, gdn_ref) if op == "gdn" else (ops.kda, kda_ref)
+def astray_tokens(o, o_v1):
+    """Message naming the tokens whose output differs from state v1's (the same intermediates) by more than 2% of
+    its RMS: a piece whose output tiles went astray shows as a block; empty when none does."""
+    o, o_v1 = np.asarray(o, np.float64), np.asarray(o_v1, np.float64)
+    token_err = np.sqrt(np.mean((o - o_v1) ** 2, axis=(1, 2)))
+    bad = np.flatnonzero(token_err > 0.02 * np.sqrt(np.mean(o_v1 ** 2)))
+    return f"tokens {bad[:16].tolist()} ({bad.size} in all) differ from state v1" if bad.size else ""
 
 
 @pytest.fixture(scope="module", params=["gdn", "kda"])
 def long_row(request):
     op = request.param
     fn, reference = entries(op)
-    bf, g, beta, meta = make_case(op, np.random.default_rng(17), (LENGTH,), (OFFSETS,), long_memory=True)
+    bf, g, beta, meta = delta_case(op, np.random.default_rng(17), (LENGTH,), (OFFSETS,), heads=16, long_memory=True)
     inputs = [np.asarray(a, np.float32) for a in bf]
     expected = reference(*inputs, g, beta, **meta)
     # the initial state still shapes the final one: the row's pieces really carry state across their boundaries
@@ -107,7 +76,7 @@ ROWS = ((1500, 1, 547, 37), ((1, 64, 500, 1000, 1499), (), (64, 500), (1, 36)))
 def test_varlen_rows_off_the_tile_grid_three_pieces(op):
     fn, reference = entries(op)
     lengths, offsets = ROWS
-    bf, g, beta, meta = make_case(op, np.random.default_rng(19), lengths, offsets)
+    bf, g, beta, meta = delta_case(op, np.random.default_rng(19), lengths, offsets, heads=16)
     expected = reference(*(np.asarray(a, np.float32) for a in bf), g, beta, **meta)
     v1 = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu")
     got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu", kernel_options={"state": "v2", "pieces": 3})
@@ -115,11 +84,7 @@ def test_varlen_rows_off_the_tile_grid_three_pieces(op):
         err, agree = rel_rms(a, e), rel_rms(a, b)
         print(f"{op} rows {lengths} state v2 pieces=3 {name}: rel-RMS {err:.2e} vs float64, {agree:.2e} vs v1")
         assert np.isfinite(np.asarray(a, np.float32)).all() and err < BF16_TOL and agree < AGREE_TOL, name
-    # token by token against v1 (the same intermediates): a piece whose output tiles went astray shows as a block
-    o, o_v1 = np.asarray(got[0], np.float64), np.asarray(v1[0], np.float64)
-    token_err = np.sqrt(np.mean((o - o_v1) ** 2, axis=(1, 2)))
-    bad = np.flatnonzero(token_err > 0.02 * np.sqrt(np.mean(o_v1 ** 2)))
-    assert not bad.size, f"tokens {bad[:16].tolist()} ({bad.size} in all) differ from state v1"
+    assert not astray_tokens(got[0], v1[0]), astray_tokens(got[0], v1[0])
 
 
 @pytest.mark.parametrize("pieces", [1, 4, "auto"])
@@ -148,7 +113,7 @@ def test_long_row_state_fused_against_float64_and_v1(long_row, pieces):
 def test_varlen_rows_off_the_tile_grid_state_fused_three_pieces():
     fn, reference = entries("gdn")
     lengths, offsets = ROWS
-    bf, g, beta, meta = make_case("gdn", np.random.default_rng(23), lengths, offsets)
+    bf, g, beta, meta = delta_case("gdn", np.random.default_rng(23), lengths, offsets, heads=16)
     expected = reference(*(np.asarray(a, np.float32) for a in bf), g, beta, **meta)
     v1 = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu")
     got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu", kernel_options={"state": "fused", "pieces": 3})
@@ -156,7 +121,4 @@ def test_varlen_rows_off_the_tile_grid_state_fused_three_pieces():
         err, agree = rel_rms(a, e), rel_rms(a, b)
         print(f"gdn rows {lengths} state fused pieces=3 {name}: rel-RMS {err:.2e} vs float64, {agree:.2e} vs v1")
         assert np.isfinite(np.asarray(a, np.float32)).all() and err < BF16_TOL and agree < FUSED_AGREE_TOL, name
-    o, o_v1 = np.asarray(got[0], np.float64), np.asarray(v1[0], np.float64)
-    token_err = np.sqrt(np.mean((o - o_v1) ** 2, axis=(1, 2)))
-    bad = np.flatnonzero(token_err > 0.02 * np.sqrt(np.mean(o_v1 ** 2)))
-    assert not bad.size, f"tokens {bad[:16].tolist()} ({bad.size} in all) differ from state v1"
+    assert not astray_tokens(got[0], v1[0]), astray_tokens(got[0], v1[0])

@@ -12,17 +12,18 @@ Run on the GPU machine:
 import numpy as np
 import pytest
 
+from tests.gpu.mosaic_cases import CU_SEQLENS, NUM_TOKENS, delta_inputs
+
 pytestmark = pytest.mark.gpu
 
 C = 64
-NC = 128  # 8192 tokens
+NC = NUM_TOKENS // C  # 128
 HV, GROUP, D = 16, 2, 128
 STATE_TOL = 1e-4   # rel-RMS: hi + lo state products on the tensor cores (the interpreter's exact products: 2e-5)
 O_TOL = 6e-3
 AGREE_TOL = {"o": 2e-3, "final": 1e-4, "checkpoints": 1e-4}
-# the pipeline case: rows start off the 8-row grid, then 2 padding tokens; ascending checkpoints per row (row 0: at 1,
-# a chunk boundary, inside, len - 1; row 2: a chunk boundary, inside, len - 1), one padded entry
-CU_SEQLENS = np.array([0, 3000, 3001, 8190], np.int32)
+# the pipeline case on `mosaic_cases.CU_SEQLENS` (NC * C tokens): ascending checkpoints per row (row 0: at 1, a chunk
+# boundary, inside, len - 1; row 2: a chunk boundary, inside, len - 1), one padded entry
 CHECKPOINT_CU = np.array([0, 4, 4, 7], np.int32)
 CHECKPOINT_OFFSETS = np.array([1, 640, 1000, 2999, 64, 2047, 5188, 0], np.int32)
 
@@ -95,20 +96,14 @@ def test_state_pass_v2_against_version_1_and_float64(channel):
     from jaxckpt.ops.common import pallas_triton_delta as triton_delta
     from tests.ops.test_pallas_mosaic_gpu_state import reference, rel_rms
 
-    rng = np.random.default_rng(20261150 + channel)
-    T, H = NC * C, HV // GROUP
-    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    g_shape = (T, HV, D) if channel else (T, HV)
-    x = dict(q=unit(rng.normal(size=(T, H, D))), k=unit(rng.normal(size=(T, H, D))), v=rng.normal(size=(T, HV, D)),
-             g=-np.log1p(np.exp(-rng.normal(size=g_shape))) / (8 if channel else 1),
-             beta=1 / (1 + np.exp(-rng.normal(size=(T, HV)))))
-    x = {name: jnp.asarray(a, jnp.bfloat16 if name in "qkv" else jnp.float32) for name, a in x.items()}
-    p = triton_delta.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], per_channel_decay=channel, scale=None,
-                             use_qk_l2norm=False, cu_seqlens=jnp.asarray(CU_SEQLENS),
+    (q, k, v), g, beta, init = delta_inputs("kda" if channel else "gdn", np.random.default_rng(20261150 + channel),
+                                            NUM_TOKENS, len(CU_SEQLENS) - 1, heads=HV // GROUP, group=GROUP, dim=D)
+    p = triton_delta.prepare(q, k, v, jnp.asarray(g), jnp.asarray(beta), per_channel_decay=channel, scale=None,
+                             use_qk_l2norm=False, cu_seqlens=jnp.asarray(CU_SEQLENS, jnp.int32),
                              checkpoint_cu=jnp.asarray(CHECKPOINT_CU),
                              checkpoint_offsets=jnp.asarray(CHECKPOINT_OFFSETS), chunk_size=C, interpret=False)
     tiles = triton_delta.intra_v2(p, per_channel_decay=channel, chunk_size=C, interpret=False)
-    init = jnp.asarray(0.1 * rng.normal(size=(3, HV, D, D)), jnp.float32)
+    init = jnp.asarray(init)
     v1 = mgd.state_pass(p, *tiles, init, per_channel_decay=channel)
     v2 = mgs.state_pass_v2(p, *tiles, init, per_channel_decay=channel)
 

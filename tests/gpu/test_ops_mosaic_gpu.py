@@ -11,50 +11,26 @@ Run on the GPU machine: `JAXCKPT_GPU_TESTS=1 JAX_PLATFORMS=cuda python -m pytest
 import numpy as np
 import pytest
 
+from tests.gpu.mosaic_cases import BF16_TOL, delta_case, entries, rel_rms
+
 pytestmark = pytest.mark.gpu
 
-BF16_TOL = 6e-3  # tests/vectors/loader.py's "bf16" class (rel-RMS)
 AGREE_TOL = 2e-3  # against the Triton pipeline: same intermediates, TF32 there vs the hi + lo split here
 
 
-def rel_rms(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
-def real_case(op, rng, *, lengths=(3000, 1096), offsets=((1, 640, 1000, 2047, 2999), (64, 1095)), heads=4, dim=128):
+def real_case(op, rng, *, lengths=(3000, 1096), offsets=((1, 640, 1000, 2047, 2999), (64, 1095))):
     """Rows of `lengths` tokens with initial states and per-row checkpoint `offsets` (default: at 1, chunk boundaries,
-    inside chunks, len - 1); l2-normalized q, k, softplus-style log decays (KDA's milder per channel), bf16 q, k, v."""
-    import jax.numpy as jnp
-
-    def unit(x):
-        return x / np.linalg.norm(x, axis=-1, keepdims=True)
-
-    T, H, D = sum(lengths), heads, dim
-    q, k = (unit(rng.standard_normal((T, H, D))).astype(np.float32) for _ in range(2))
-    v = rng.standard_normal((T, H, D)).astype(np.float32)
-    g_shape = (T, H) if op == "gdn" else (T, H, D)
-    g = -np.log1p(np.exp(-rng.standard_normal(g_shape))).astype(np.float32) / (1 if op == "gdn" else 8)
-    beta = (1 / (1 + np.exp(-rng.standard_normal((T, H))))).astype(np.float32)
-    h0 = (rng.standard_normal((len(lengths), H, D, D)) * 0.1).astype(np.float32)
-    bf = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)]
-    meta = dict(cu_seqlens=np.cumsum([0, *lengths]).astype(np.int32),
-                checkpoint_cu=np.cumsum([0, *map(len, offsets)]).astype(np.int32),
-                checkpoint_offsets=np.concatenate(offsets).astype(np.int32), initial_state=h0)
-    return bf, g, beta, meta
+    inside chunks, len - 1), 4 heads (`mosaic_cases.delta_case`)."""
+    return delta_case(op, rng, lengths, offsets, heads=4)
 
 
 @pytest.mark.parametrize("op", ["gdn", "kda"])
 def test_real_head_size_bf16_against_float64_and_triton(op):
-    from jaxckpt import ops
-    from jaxckpt.ops.gdn.reference import gated_delta_rule as gdn_ref
-    from jaxckpt.ops.kda.reference import kda as kda_ref
-
+    fn, reference = entries(op)
     bf, g, beta, meta = real_case(op, np.random.default_rng(5))
-    fn = ops.gated_delta_rule if op == "gdn" else ops.kda
     got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu")
     triton = fn(*bf, g, beta, **meta, implementation="pallas_triton")
-    expected = (gdn_ref if op == "gdn" else kda_ref)(*(np.asarray(a, np.float32) for a in bf), g, beta, **meta)
+    expected = reference(*(np.asarray(a, np.float32) for a in bf), g, beta, **meta)
     for line in bad_tokens(got[0], triton[0], meta["cu_seqlens"]):
         print(f"{op} pallas_mosaic_gpu o vs pallas_triton: {line}")
     for name, a, t, e in zip(("o", "final", "checkpoints"), got, triton, expected):
@@ -97,11 +73,9 @@ ROW_CASES = {
 def test_checkpoints_leave_outputs_bitwise_unchanged(op, rows):
     # with and without checkpoints, each against the Triton pipeline first (naming the rows, heads and tokens that
     # differ), then against each other bitwise
-    from jaxckpt import ops
-
     lengths, offsets = ROW_CASES[rows]
     bf, g, beta, meta = real_case(op, np.random.default_rng(6), lengths=lengths, offsets=offsets)
-    fn = ops.gated_delta_rule if op == "gdn" else ops.kda
+    fn = entries(op)[0]
     plain = {name: x for name, x in meta.items() if not name.startswith("checkpoint")}
     triton = fn(*bf, g, beta, **meta, implementation="pallas_triton")
     calls = {"with checkpoints": fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu"),

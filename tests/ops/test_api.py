@@ -1,5 +1,8 @@
 """The public op entries: implementation switch, batched inputs, strategies, decode rows, paged pools, bad input."""
 
+import warnings
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -7,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxckpt import ops
-from jaxckpt.ops.common.api import choose_implementation
+from jaxckpt.ops.common import api as common_api
+from jaxckpt.ops.common.api import IgnoredKernelOptions, choose_implementation
 from jaxckpt.ops.gdn.api import REGISTRY as GDN_REGISTRY
 from jaxckpt.plan import NULL_SLOT
 
@@ -77,6 +81,41 @@ def test_default_implementation_falls_back_to_xla_with_reasons():
     assert [name for name, _ in choice.declined] == ["pallas_mosaic_gpu", "pallas_triton"]
     with pytest.raises(ValueError, match="implementation"):
         ops.gated_delta_rule(q, k, v, g, beta, implementation="cuda")
+
+
+def test_kernel_options_the_running_implementation_ignores_are_named():
+    # off a Hopper GPU the Mosaic GPU options end on "xla": the warning names them and what declined before it
+    q, k, v, g, beta = delta_inputs(np.random.default_rng(11), 10)
+    expected = ops.gated_delta_rule(q, k, v, g, beta, implementation="xla")
+    pattern = r"\['intra', 'state'\] are not options of 'xla'.*pallas_mosaic_gpu: .*pallas_triton: tuning: unknown"
+    with pytest.warns(IgnoredKernelOptions, match=pattern):
+        got = ops.gated_delta_rule(q, k, v, g, beta, kernel_options={"state": "v2", "intra": "mosaic_gpu"})
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+    with pytest.warns(IgnoredKernelOptions, match=r"\['num_warps'\] are not options of 'xla', which runs this call"):
+        ops.kda(q, k, v, np.stack([g] * 8, -1), beta, implementation="xla", kernel_options={"num_warps": 4})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.gated_delta_rule(q, k, v, g, beta, kernel_options={"state_pass": "sequential"})  # an "xla" option
+
+
+def test_supports_gets_cu_seqlens_where_it_names_it(monkeypatch):
+    # the Mosaic GPU launch grids depend on the row count; other `supports` take the call as before
+    seen = {}
+
+    def sized(q, *, cu_seqlens=None):
+        seen["sized"] = cu_seqlens
+        return "grid too large"
+
+    def plain(q, **tuning):
+        seen["plain"] = tuning
+
+    modules = {"sized": SimpleNamespace(supports=sized), "plain": SimpleNamespace(supports=plain)}
+    monkeypatch.setattr(common_api, "_load", lambda target: (modules[target], target))
+    cu = np.array([0, 3, 10], np.int32)
+    choice = choose_implementation({"pallas_mosaic_gpu": "sized", "xla": "plain"}, None, cu_seqlens=cu, q=None)
+    assert choice.name == "xla" and choice.declined == (("pallas_mosaic_gpu", "grid too large"),)
+    assert seen["sized"] is cu and seen["plain"] == {}
 
 
 def test_batched_inputs_are_rows_of_equal_length():

@@ -10,6 +10,7 @@ tests/gpu/test_ops_mosaic_gpu.py check both). bf16 inputs are held to the shared
 and to AGREE_TOL against the Triton pipeline (the same intermediates; only the output's last-bit rounding may differ).
 """
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -231,6 +232,34 @@ def test_supports_names_the_reason():
     choice = common_api.choose_implementation(gdn_api.REGISTRY, None, **call)
     assert choice.declined[0][0] == "pallas_mosaic_gpu" and "sm_90" in choice.declined[0][1]
     assert choice.name != "pallas_mosaic_gpu"
+
+
+def test_supports_sizes_the_launch_grids_from_the_rows():
+    """The chunk layout has T // 64 + N chunks, the state passes N x pieces lanes, and CUDA caps the grid axes they
+    land on (y, z) at 65535; cu_seqlens' static shape gives N. Only shapes are read: nothing is allocated."""
+    def shapes(num_tokens):  # q = k = v [T, 1, 64] and g = beta [T, 1]
+        x = jax.ShapeDtypeStruct((num_tokens, 1, 64), jnp.bfloat16)
+        return x, jax.ShapeDtypeStruct((num_tokens, 1), jnp.float32)
+
+    def call(num_tokens, num_rows=None, **tuning):
+        x, gate = shapes(num_tokens)
+        rows = {} if num_rows is None else {"cu_seqlens": jax.ShapeDtypeStruct((num_rows + 1,), jnp.int32)}
+        return mosaic_delta.supports(x, x, x, gate, gate, interpret=True, **rows, **tuning)
+
+    T = 64 * 65530
+    assert call(T) is None and call(T, 5) is None  # 65531 and 65535 chunks
+    assert "65536 chunks" in call(T, 6)  # the Mosaic GPU intra grid
+    assert call(T, 6, intra="pallas_triton") is None  # Triton launches the chunk axis on grid x
+    assert call(T, 6, state="fused").startswith("state pass (fused): G: 65536 chunks")  # `gdn_kkt`'s grid
+    assert call(256, 2000, pieces=32) is None
+    assert "128000 lanes" in call(256, 2000, pieces=64)
+    assert "70000 lanes" in call(256, 70000, state="v1")
+    assert call(256, 0).startswith("cu_seqlens:")
+    # the entry has the rows even where `supports` was asked without them
+    entry = lambda x, gate, cu: mosaic_delta.delta_rule_mosaic(  # noqa: E731
+        x, x, x, gate, gate, cu_seqlens=cu, per_channel_decay=False, state="v2", pieces=64, interpret=True)
+    with pytest.raises(ValueError, match="128000 lanes"):
+        jax.eval_shape(entry, *shapes(256), jax.ShapeDtypeStruct((2001,), jnp.int32))
 
 
 def test_defaults_run_the_lanes_pass_against_float64():

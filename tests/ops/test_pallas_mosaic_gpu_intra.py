@@ -142,8 +142,14 @@ def test_supports_reasons():
     assert "chunks_per_cta" in mgi.supports(q, q, v.astype(jnp.float32), beta, G, interpret=True, chunks_per_cta=2)
     assert "landing" in mgi.supports(q, q, v, beta, G, interpret=True, landing="tiled")
     assert mgi.supports(q, q, v, beta, G, interpret=True, inverse="split", chunks_per_cta=4, landing="rows") is None
+    # the chunk axis lands on CUDA's grid y (at most 65535 CTAs); only G's shape is read
+    wide_G = jax.ShapeDtypeStruct((4, 65536, CHUNK), jnp.float32)
+    assert "65536 CTAs" in mgi.supports(q, q, v, beta, wide_G, interpret=True)
+    assert mgi.supports(q, q, v, beta, wide_G, interpret=True, chunks_per_cta=2) is None
     if jax.default_backend() == "cpu":
         assert "backend" in mgi.supports(q, q, v, beta, G)
+    with pytest.raises(ValueError, match="group"):
+        mgi.gdn_intra(None, None, q, q, v, beta, G, chunk=CHUNK, group=1, scale=0.1, interpret=True)
 
 
 @pytest.mark.parametrize("dtype, head_k, head_v, tuning, two_per_sm", [

@@ -158,8 +158,13 @@ def test_supports_reasons(monkeypatch):
     G128 = jnp.zeros((4, 1, CHUNK, 128))
     assert "SMEM" in mki.supports(q128, q128, v128, beta, G128, interpret=True, score_parts=2, inverse="split")
     assert mki.supports(q128, q128, v128, beta, G128, interpret=True) is None
+    # the chunk axis lands on CUDA's grid y (at most 65535 CTAs); only G's shape is read
+    assert "65536 CTAs" in mki.supports(q, q, v, beta, jax.ShapeDtypeStruct((4, 65536, CHUNK, 64), jnp.float32),
+                                        interpret=True)
     if jax.default_backend() == "cpu":
         assert "backend" in mki.supports(q, q, v, beta, G)
+    with pytest.raises(ValueError, match="group"):
+        mki.kda_intra(None, None, q, q, v, beta, G, chunk=CHUNK, group=1, scale=0.1, interpret=True)
 
 
 @pytest.mark.parametrize("dtype, head_k, head_v, tuning, two_per_sm", [

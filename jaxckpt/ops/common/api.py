@@ -3,7 +3,9 @@ the split-at-checkpoint driver.
 
 Implementations are looked up by name in an op's registry, `{name: "module:function"}`, and imported on first use. A
 module may define `supports(**call) -> str | None`: a reason string declines the call, and `implementation=None`
-then falls back to the next (the portable "xla" path last); the returned `Choice` keeps the reasons.
+then falls back to the next (the portable "xla" path last); the returned `Choice` keeps the reasons. `kernel_options`
+the implementation that runs does not take are ignored with an `IgnoredKernelOptions` warning, which names the
+implementations declined before it and why.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import importlib
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -32,14 +35,33 @@ class Choice:
     declined: tuple[tuple[str, str], ...]  # (implementation, reason) tried before this one
 
 
+class IgnoredKernelOptions(UserWarning):
+    """`kernel_options` that the implementation running the call does not take, e.g. Mosaic GPU options after
+    `implementation=None` fell back to "xla"."""
+
+
 def _load(target: str):
     module_name, _, attr = target.partition(":")
     module = importlib.import_module(module_name)
     return module, getattr(module, attr)
 
 
-def choose_implementation(registry: Mapping[str, str], implementation: str | None, **call) -> Choice:
-    """The implementation to run: the one named, or the first of DEFAULT_ORDER that supports this call here."""
+def _decline_reason(module, call: Mapping[str, object], cu_seqlens) -> str | None:
+    supports = getattr(module, "supports", None)
+    if supports is None:
+        return None
+    # launch grids can depend on the row count; a `supports` that does not name cu_seqlens takes only the call
+    if cu_seqlens is not None and "cu_seqlens" in inspect.signature(supports).parameters:
+        call = {**call, "cu_seqlens": cu_seqlens}
+    return supports(**call)
+
+
+def choose_implementation(registry: Mapping[str, str], implementation: str | None, *, cu_seqlens=None,
+                          **call) -> Choice:
+    """The implementation to run: the one named, or the first of DEFAULT_ORDER that supports this call here.
+
+    `call` goes to each module's `supports`; `cu_seqlens` too where `supports` names it.
+    """
     if implementation is not None:
         if implementation not in registry:
             raise ValueError(f"implementation: must be one of {sorted(registry)} or None, got {implementation!r}")
@@ -47,7 +69,7 @@ def choose_implementation(registry: Mapping[str, str], implementation: str | Non
             module, function = _load(registry[implementation])
         except ImportError as error:
             raise ValueError(f"implementation: {implementation!r} is unavailable here: {error}") from error
-        reason = getattr(module, "supports", lambda **_: None)(**call)
+        reason = _decline_reason(module, call, cu_seqlens)
         if reason is not None:
             raise ValueError(f"implementation: {implementation!r} does not support this call: {reason}")
         return Choice(implementation, function, ())
@@ -60,7 +82,7 @@ def choose_implementation(registry: Mapping[str, str], implementation: str | Non
         except ImportError as error:
             declined.append((name, f"unavailable: {error}"))
             continue
-        reason = getattr(module, "supports", lambda **_: None)(**call)
+        reason = _decline_reason(module, call, cu_seqlens)
         if reason is None:
             return Choice(name, function, tuple(declined))
         declined.append((name, reason))
@@ -205,16 +227,24 @@ def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapp
         raise ValueError(f"checkpoint_method: must be one of {CHECKPOINT_METHODS}, got {checkpoint_method!r}")
     if not isinstance(num_decodes, int) or num_decodes < 0:
         raise ValueError(f"num_decodes: must be a non-negative Python int, got {num_decodes!r}")
-    choice = choose_implementation(registry, implementation, **support_call)
+    # all rows, decode rows included: a bound on the prefill rows the kernel gets
+    choice = choose_implementation(registry, implementation, cu_seqlens=cu_seqlens, **support_call)
     first = next(iter(arrays.values()))
     cu, ccu, offsets = host_metadata(first.shape[0], cu_seqlens, checkpoint_cu, checkpoint_offsets)
     if choice.name == "reference":
+        # token by token in float64: no kernel options apply (the entries always add chunk_size)
         return choice.function(**arrays, **options, initial_state=initial_state, cu_seqlens=cu,
                                checkpoint_cu=ccu, checkpoint_offsets=offsets)
     if num_decodes and not is_traced(cu) and np.any(np.asarray(cu)[:num_decodes + 1] != np.arange(num_decodes + 1)):
         raise ValueError(f"num_decodes: the first {num_decodes} rows must hold one token each (decode rows first)")
     extra = {"checkpoint_method": checkpoint_method} if checkpoint_method != "split" else {}
     call = _accepted(choice.function, {**options, **extra}, kernel_options or {})
+    ignored = sorted(set(kernel_options or {}) - set(call))
+    if ignored:
+        declined = "; ".join(f"{name}: {reason}" for name, reason in choice.declined)
+        warnings.warn(f"kernel_options: {ignored} are not options of {choice.name!r}, which runs this call, and are "
+                      f"ignored" + (f" (declined before it: {declined})" if declined else ""), IgnoredKernelOptions,
+                      stacklevel=3)
     prefill_arrays = {name: a[num_decodes:] for name, a in arrays.items()}
     prefill_cu = jnp.asarray(cu)[num_decodes:] - num_decodes if num_decodes else cu
     prefill_ccu = jnp.asarray(ccu)[num_decodes:] if num_decodes else ccu

@@ -61,8 +61,9 @@ Design (one CTA of one warpgroup, doing all of the below, per grid point (row, v
   per row), metadata scalars read in-kernel.
 
 Supported (`supports`): chunk 64, K and V in {64, 128}, q, k, v one 16-bit dtype (bf16 or float16), a Hopper GPU
-(or interpret mode). Float32 inputs are declined: wgmma would run them at TF32 (or a 3-way bf16 split of every
-operand tile), below the float32 class; the Triton and XLA paths serve them.
+(or interpret mode), launch grids within CUDA's caps (at most 65535 chunks, T // 64 + N, and 65535 lanes, N x
+pieces; exact when `supports` gets cu_seqlens). Float32 inputs are declined: wgmma would run them at TF32 (or a
+3-way bf16 split of every operand tile), below the float32 class; the Triton and XLA paths serve them.
 
 Interpret mode (`interpret=True`, CPU): the state kernel runs in Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`;
 its wgmma is an fp32 matmul of the 16-bit SMEM tiles, so the hi + lo products are exact there and the interpreter
@@ -88,6 +89,7 @@ from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mosaic_kda_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_split as mosaic_split
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+from jaxckpt.plan.layout import max_chunks
 
 CHUNK = 64
 HEAD_DIMS = (64, 128)
@@ -138,9 +140,31 @@ def _state_reason(state, pieces) -> str | None:
     return None
 
 
-def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> str | None:
+def _grid_reason(q, v, *, num_rows, num_chunks, state, pieces) -> str | None:
+    """None when the state pass's launch grids fit CUDA's caps, else the reason (the intra kernels check theirs at
+    launch): the lanes (v1: the rows; v2 and fused: rows x pieces, `split_lanes`) on the first axis of a three-axis
+    grid, launched on grid z; for "fused" also `gdn_kkt`'s (chunk, value head) grid."""
+    if pieces == "auto":
+        pieces = mosaic_split.choose_pieces(num_rows, v.shape[1], v.shape[2], q.shape[0], head_k=q.shape[2])
+    if num_rows * pieces > mosaic_intra.MAX_GRID_YZ:
+        return (f"cu_seqlens: {num_rows} rows x {pieces} pieces make {num_rows * pieces} lanes along the state pass's "
+                f"grid z axis, more than CUDA's {mosaic_intra.MAX_GRID_YZ}")
+    reason = mosaic_intra.grid_reason(num_chunks) if state == "fused" else None
+    return None if reason is None else f"state pass (fused): {reason}"
+
+
+def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=None, **tuning) -> str | None:
     """None when this backend can run the call, else the reason (so the caller can fall back to the next
-    implementation). An option given as None means its default, as in `delta_rule_mosaic`."""
+    implementation). An option given as None means its default, as in `delta_rule_mosaic`.
+
+    `cu_seqlens` (i32[N + 1], may be traced: only its static shape is read) sizes the launch grids exactly: the
+    chunk layout has T // 64 + N chunks (`prepare`), the state passes N x pieces lanes. Left out, the call is one
+    row over all T tokens (as `delta_rule_mosaic` reads cu_seqlens=None); a caller that has rows and leaves them
+    out gets one row's grid checks, and a grid past CUDA's caps is then a ValueError of `delta_rule_mosaic` (or of
+    the intra kernel) at trace time instead of a reason here.
+    """
+    if cu_seqlens is not None and (np.ndim(cu_seqlens) != 1 or np.shape(cu_seqlens)[0] < 2):
+        return f"cu_seqlens: expected i32[N + 1] with N >= 1, got shape {np.shape(cu_seqlens)}"
     tuning = {key: value for key, value in tuning.items() if value is not None}
     unknown = sorted(set(tuning) - set(TUNING_KEYS))
     if unknown:
@@ -176,6 +200,13 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
     for name, x in (("g", g), ("beta", beta)):
         if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
             return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
+    num_rows = 1 if cu_seqlens is None else np.shape(cu_seqlens)[0] - 1
+    # `prepare`'s chunk layout, static in T and N (an empty call lays out one token)
+    num_chunks = max_chunks(max(q.shape[0], 1), num_rows, 0, CHUNK, forced_breaks=False)
+    reason = _grid_reason(q, v, num_rows=num_rows, num_chunks=num_chunks, state=tuning.get("state", defaults["state"]),
+                          pieces=tuning.get("pieces", defaults["pieces"]))
+    if reason is not None:
+        return reason
     intra_tuning = {key: value for key, value in tuning.items() if key in _INTRA_TUNING}
     if tuning.get("state") == "fused":
         intra = "pallas_triton"  # its kkt kernel replaces the intra pass; the Triton checks still cover the cumsum
@@ -189,9 +220,7 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
             return "tuning: kda_score_parts tunes the KDA Mosaic GPU intra pass; this is a GDN call"
         intra_module = mosaic_kda_intra if g.ndim == 3 else mosaic_intra
         gate_tail = (q.shape[-1],) if g.ndim == 3 else ()
-        # the chunk count without the rows (unknown here): T // C plus one partial chunk; each further row can add
-        # one, which the intra kernel checks again at its launch
-        G = jax.ShapeDtypeStruct((v.shape[1], q.shape[0] // CHUNK + 1, CHUNK, *gate_tail), _F32)
+        G = jax.ShapeDtypeStruct((v.shape[1], num_chunks, CHUNK, *gate_tail), _F32)
         mosaic_tuning = {"score_parts": tuning["kda_score_parts"]} if "kda_score_parts" in tuning else {}
         reason = intra_module.supports(q, k, v, beta, G, chunk=chunk_size, interpret=interpret, **mosaic_tuning)
         if reason is not None:
@@ -482,6 +511,11 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     if pieces == "auto":
         pieces = mosaic_split.choose_pieces(p.cu_seqlens.shape[0] - 1, v.shape[1], v.shape[2], num_tokens,
                                             head_k=q.shape[2])
+    # the rows are known here, so the grids are checked exactly even when `supports` was asked without them
+    reason = _grid_reason(q, v, num_rows=p.cu_seqlens.shape[0] - 1, num_chunks=p.lay.chunk_len.shape[0], state=state,
+                          pieces=pieces)
+    if reason is not None:
+        raise ValueError(reason)
     if state == "fused":
         o_chunks, final_state, checkpoint_states = mosaic_split.fused_pass_split(p, init, pieces=pieces,
                                                                                  interpret=interpret)

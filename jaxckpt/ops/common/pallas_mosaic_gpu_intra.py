@@ -107,7 +107,9 @@ CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
 TUNING_KEYS = ("inverse", "chunks_per_cta", "landing")
 INVERSES = ("split", "f16")
 LANDINGS = ("rows", "swizzled")
-MAX_GRID_CHUNKS = 65535  # CUDA's cap on the grid's y dimension, where the chunk axis lands
+# CUDA's cap on a grid's y and z dimensions. Mosaic GPU launches a grid reversed onto (x, y, z): the chunk axis of
+# a (chunk, value head) grid lands on y, the first axis of a three-axis grid on z
+MAX_GRID_YZ = 65535
 _F32 = jnp.float32
 _WG = plgpu.Layout.WGMMA
 _ROWS = _WG.reduce(1)  # one value per row of a [C, N] WGMMA tile
@@ -132,13 +134,38 @@ def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str
         return f"chunks_per_cta: must be a positive int, got {per_cta!r}"
     if wide and per_cta > 1:
         return "chunks_per_cta: more than 1 needs 16-bit inputs (fp32 tiles do not fit in SMEM twice)"
-    if G.shape[1] > MAX_GRID_CHUNKS:
-        return f"G: at most {MAX_GRID_CHUNKS} chunks per launch, got {G.shape[1]}"
+    return launch_reason(G.shape[1], chunks_per_cta=per_cta, interpret=interpret)
+
+
+def grid_reason(num_chunks, *, chunks_per_cta=1) -> str | None:
+    """None when the chunk axis of a (chunk, value head) grid (both intra kernels, `gdn_kkt`) fits CUDA's cap, else
+    the reason."""
+    grid_chunks = -(-num_chunks // chunks_per_cta)
+    if grid_chunks > MAX_GRID_YZ:
+        return (f"G: {num_chunks} chunks at {chunks_per_cta} per CTA is a grid of {grid_chunks} CTAs along the chunk "
+                f"axis, more than CUDA's {MAX_GRID_YZ} (grid y)")
+    return None
+
+
+def launch_reason(num_chunks, *, chunks_per_cta=1, interpret=False) -> str | None:
+    """The launch checks both intra kernels share: `grid_reason` and, unless interpreted, an sm_90 GPU for wgmma."""
+    reason = grid_reason(num_chunks, chunks_per_cta=chunks_per_cta)
+    if reason is not None:
+        return reason
     if not interpret:
         device = jax.devices()[0]
         if device.platform != "gpu" or getattr(device, "compute_capability", None) != "9.0":
             return f"backend: wgmma needs an sm_90 GPU (or interpret=True), got {device.device_kind!r}"
     return None
+
+
+def check_launch(reason, q, v, *, group):
+    """What both intra wrappers raise before a launch: ValueError with `supports`' reason, or for a `group` that is
+    not HV // H."""
+    if reason is not None:
+        raise ValueError(reason)
+    if v.shape[1] != group * q.shape[1]:
+        raise ValueError(f"group: expected HV // H = {v.shape[1] // q.shape[1]}, got {group}")
 
 
 def _dot(lhs, rhs, shape):
@@ -382,13 +409,9 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     Returns (w [HV, NC, C, K], u [HV, NC, C, V], kd [HV, NC, C, K], qg [HV, NC, C, K], aqk [HV, NC, C, C]), all in
     the I/O dtype (promote(k, v); fp32 if that is 32 bits or wider), padding rows zero.
     """
-    reason = supports(q, k, v, beta, G, chunk=chunk, interpret=bool(interpret), **tuning)
-    if reason is not None:
-        raise ValueError(reason)
-    num_heads, head_k = q.shape[1:]
+    check_launch(supports(q, k, v, beta, G, chunk=chunk, interpret=bool(interpret), **tuning), q, v, group=group)
+    head_k = q.shape[-1]
     num_v_heads, head_v = v.shape[1:]
-    if num_v_heads != group * num_heads:
-        raise ValueError(f"group: expected HV // H = {num_v_heads // num_heads}, got {group}")
     num_chunks = G.shape[1]
     io_dtype = tiles.io_dtype(k, v)
     tuning = {**default_tuning(io_dtype), **tuning}

@@ -101,6 +101,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mosaic_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
@@ -113,7 +114,6 @@ SHIFTED = 2  # with reference="shifted", levels s <= SHIFTED read R_s as row-shi
 ROW_PAD = 1  # rows of the untiled G copy before row 0 (the shifted views start up to 1 row early, end 2 late)
 SMEM_LIMIT = 227 * 1024  # sm_90's opt-in dynamic SMEM per CTA
 SMEM_ALIGN = 1024  # what `plgpu.RefUnion` aligns every ref to (jax 0.11.2, `core.SMEM_ALIGNMENT`)
-MAX_GRID_CHUNKS = 65535  # CUDA's cap on the grid's y dimension, where the chunk axis lands
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
 _WG = plgpu.Layout.WGMMA
@@ -183,13 +183,7 @@ def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str
     if smem > SMEM_LIMIT:
         return (f"SMEM: {jnp.dtype(io_dtype).name} at K = {q.shape[-1]}, V = {v.shape[-1]}, {tuning} needs "
                 f"{smem // 1024} KB per CTA, more than {SMEM_LIMIT // 1024} KB")
-    if G.shape[1] > MAX_GRID_CHUNKS:
-        return f"G: at most {MAX_GRID_CHUNKS} chunks per launch, got {G.shape[1]}"
-    if not interpret:
-        device = jax.devices()[0]
-        if device.platform != "gpu" or getattr(device, "compute_capability", None) != "9.0":
-            return f"backend: wgmma needs an sm_90 GPU (or interpret=True), got {device.device_kind!r}"
-    return None
+    return mosaic_intra.launch_reason(G.shape[1], interpret=interpret)
 
 
 def _terms(buf, parts):
@@ -424,13 +418,10 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     Returns (w [HV, NC, C, K], u [HV, NC, C, V], kd [HV, NC, C, K], qg [HV, NC, C, K], aqk [HV, NC, C, C]), all in
     the I/O dtype (promote(k, v); fp32 if that is 32 bits or wider), padding rows zero.
     """
-    reason = supports(q, k, v, beta, G, chunk=chunk, interpret=bool(interpret), **tuning)
-    if reason is not None:
-        raise ValueError(reason)
-    num_heads, head_k = q.shape[1:]
+    mosaic_intra.check_launch(supports(q, k, v, beta, G, chunk=chunk, interpret=bool(interpret), **tuning), q, v,
+                              group=group)
+    head_k = q.shape[-1]
     num_v_heads, head_v = v.shape[1:]
-    if num_v_heads != group * num_heads:
-        raise ValueError(f"group: expected HV // H = {num_v_heads // num_heads}, got {group}")
     num_chunks = G.shape[1]
     io_dtype = tiles.io_dtype(k, v)
     fp32 = io_dtype == _F32

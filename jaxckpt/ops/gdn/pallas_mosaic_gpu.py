@@ -16,11 +16,12 @@ from jaxckpt.ops.common.delta_chunk import check_static
 _STATIC = ("scale", "use_qk_l2norm", "state_layout", "chunk_size", "interpret", *pallas_mosaic_gpu_delta.TUNING_KEYS)
 
 
-def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> str | None:
+def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=None, **tuning) -> str | None:
     """None when `gated_delta_rule` can run these inputs and options, else the reason (for a fallback to XLA)."""
     if g.ndim != 2:
         return f"g: expected [T, HV] for GDN, got shape {g.shape}"
-    return pallas_mosaic_gpu_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **tuning)
+    return pallas_mosaic_gpu_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret,
+                                            cu_seqlens=cu_seqlens, **tuning)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

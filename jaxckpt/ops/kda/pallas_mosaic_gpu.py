@@ -19,11 +19,12 @@ _STATIC = ("scale", "use_qk_l2norm", "state_layout", "chunk_size", "interpret", 
            *pallas_mosaic_gpu_delta.TUNING_KEYS)
 
 
-def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> str | None:
+def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=None, **tuning) -> str | None:
     """None when `kda` can run these inputs and options, else the reason (for a fallback to XLA)."""
     if g.ndim != 3 or g.shape[-1] != q.shape[-1]:
         return f"g: expected [T, HV, K] for KDA, got shape {g.shape}"
-    return pallas_mosaic_gpu_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **tuning)
+    return pallas_mosaic_gpu_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret,
+                                            cu_seqlens=cu_seqlens, **tuning)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
