@@ -120,6 +120,9 @@ def test_supports_names_the_reason():
     assert "chunk_size" in mosaic.supports(**call, chunk_size=32, interpret=True)
     assert "unknown" in mosaic.supports(**call, state_block_p=16, interpret=True)
     assert "pieces" in mosaic.supports(**call, pieces=0, interpret=True)
+    many_rows = np.zeros(8193, np.int32)  # 8192 rows x 8 pieces + 1 lanes: past the grid's z axis
+    assert mosaic.supports(**call, cu_seqlens=many_rows, interpret=True).startswith("cu_seqlens:")
+    assert mosaic.supports(**call, cu_seqlens=many_rows, pieces=1, interpret=True) is None
     assert mosaic.supports(**{**call, "x": call["x"][..., :32]}, interpret=True).startswith("P:")
     assert "16-bit" in mosaic.supports(**{**call, "x": call["x"].astype(jnp.float32)}, interpret=True)
     with pytest.raises(ValueError, match="16-bit"):

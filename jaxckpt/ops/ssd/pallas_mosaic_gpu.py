@@ -93,6 +93,7 @@ TUNING_KEYS = ("pieces", "stages")
 MAX_PIECES = 8
 MIN_CHUNKS_PER_PIECE = 8
 DEFAULT_NUM_SMS = 132  # H200
+MAX_GRID_Z = 65535  # lanes: the grid's first axis, CUDA's z (Mosaic GPU reverses the grid)
 _F32 = jnp.float32
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)
@@ -104,9 +105,9 @@ _STATE, _OUTPUT = 0, 1
 _SOFTPLUS_THRESHOLD = 20.0
 
 
-def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, **tuning) -> str | None:
+def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, cu_seqlens=None, **tuning) -> str | None:
     """None when this backend can run the call, else the reason (so the caller can fall back). An option given as
-    None means its default."""
+    None means its default; `cu_seqlens` (only its shape is read) gives the row count for the grid check."""
     tuning = {key: value for key, value in tuning.items() if value is not None}
     unknown = sorted(set(tuning) - set(TUNING_KEYS))
     if unknown:
@@ -118,6 +119,10 @@ def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, **tuning) -
         return f"stages: must be 2, 3 or 4, got {tuning['stages']!r}"
     if chunk_size != CHUNK:
         return f"chunk_size: the Mosaic GPU SSD runs {CHUNK}-token chunks (wgmma tiles), got {chunk_size!r}"
+    rows = 1 if cu_seqlens is None else np.shape(cu_seqlens)[0] - 1
+    lanes = rows * (MAX_PIECES if pieces == "auto" else pieces) + 1
+    if lanes > MAX_GRID_Z:
+        return f"cu_seqlens: {rows} rows x pieces + 1 = {lanes} lanes exceed the grid's {MAX_GRID_Z} (CUDA's z axis)"
     if x.ndim != 3 or B.ndim != 3 or C.shape != B.shape:
         return "x, B, C: expected [T, H, P], [T, G, N], [T, G, N]"
     for name, size in (("P", x.shape[-1]), ("N", B.shape[-1])):
@@ -209,6 +214,7 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, inte
     pieces = b_s.shape[1]  # N / 64
     dtype = x_s.dtype
     first, count = first_ref[lane], count_ref[lane]
+    num_chunks = start_ref.shape[0]
     cols = pl.ds(j * BLOCK_P, BLOCK_P)
     half_shape = (BLOCK_P, PIECE)  # one 64-column piece of the state S [BP, N]
     memory_wg = 2 if has_output else 1
@@ -277,9 +283,11 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, inte
             start = ck_start_ref[c]
             lax.fori_loop(start, start + ck_count_ref[c], one, 0)
 
-        def step(i, S):
+        def step(i, carry):
+            S, length, has_ck = carry
             c, slot, half = first + i, lax.rem(i, stages), lax.rem(i, _PUBLISH)
-            length = len_ref[c]
+            # the next chunk's table entries: global loads that this chunk's work hides
+            length_next, has_ck_next = ahead(c + 1)
             plgpu.barrier_wait(in_bar.at[slot])
 
             @pl.when(length < CHUNK)
@@ -294,7 +302,7 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, inte
             x_t = tiles.load(x_s.at[slot].T).astype(_F32)  # [BP, C]
             x_t = jnp.where(token < length, x_t, 0.0)  # rows past the chunk: the next row's tokens or padding
             if has_checkpoints:
-                @pl.when(ck_count_ref[c] > 0)
+                @pl.when(has_ck)
                 def _():
                     checkpoints(c, slot, S, x_t, acs, delta)
 
@@ -311,9 +319,13 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, inte
             S_next = update(S, jnp.exp(acs_last), x_t * (jnp.exp(acs_last - acs) * delta), slot,
                             publish if has_output else None)
             plgpu.barrier_arrive(in_free.at[slot])
-            return S_next
+            return S_next, length_next, has_ck_next
 
-        S = lax.fori_loop(0, count, step, S0)
+        def ahead(c):
+            c = jnp.minimum(c, num_chunks - 1)
+            return len_ref[c], (ck_count_ref[c] > 0) if has_checkpoints else False
+
+        S, _, _ = lax.fori_loop(0, count, step, (S0, *ahead(first)))
         for k in range(pieces):
             end_ref.at[lane, h, cols, pl.ds(k * PIECE, PIECE)][...] = S[k]
         if has_output:
@@ -335,9 +347,14 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, inte
             below = tiles.iota(square, 0) >= tiles.iota(square, 1)
             out_shape = (CHUNK, BLOCK_P)
 
+            def ahead(c):
+                c = jnp.minimum(c, num_chunks - 1)
+                return start_ref[c], len_ref[c]
+
             def step(i, carry):
+                start, length = carry
                 c, slot, half = first + i, lax.rem(i, stages), lax.rem(i, _PUBLISH)
-                start, length = start_ref[c], len_ref[c]
+                after = ahead(c + 1)  # global loads that this chunk's work hides
                 plgpu.barrier_wait(in_bar.at[slot])
 
                 @pl.when(length < CHUNK)
@@ -373,9 +390,9 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, inte
                     plgpu.commit_smem()
                     _store_rows(rows_s, dst, start, length)
 
-                return carry
+                return after
 
-            lax.fori_loop(0, count, step, 0)
+            lax.fori_loop(0, count, step, ahead(first))
 
             # the tokens past the last row (padding) are written as zeros by the CTAs of the extra last lane
             @pl.when(lane == pad_lane)
@@ -543,7 +560,8 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     (states [.., H, N, P] for "kv"). Padding tokens and padded checkpoint entries are zeros.
     """
     check_state_layout(state_layout)
-    reason = supports(x, dt, B, C, z, chunk_size=chunk_size, interpret=interpret, pieces=pieces, stages=stages)
+    reason = supports(x, dt, B, C, z, chunk_size=chunk_size, interpret=interpret, cu_seqlens=cu_seqlens, pieces=pieces,
+                      stages=stages)
     if reason is not None:
         raise ValueError(reason)
     (x, dt, A, B, C, D, dt_bias, z), dims = check_ssd_inputs(x, dt, A, B, C, D=D, dt_bias=dt_bias, z=z)
