@@ -1,8 +1,9 @@
 """Where a jitted call's wall time goes beyond its kernels: host dispatch, launch gaps, device span.
 
-GPU: `python -m bench.latency_probe [--impls SPEC ...] [--peers jla] [--tokens 8192] [--name NAME]` writes
-`<name>.json` / `.md` under $OUT, else bench/results. For each case (GDN, one row, 16 heads, K = V = 128, bf16, an
-fp32 initial state, one checkpoint per row for ours; jla without checkpoints, its contract) it reports:
+GPU: `python -m bench.latency_probe [--impls SPEC ...] [--peers jla] [--tokens 8192 varlen] [--name NAME]` writes
+`<name>.json` / `.md` under $OUT, else bench/results. For each case (GDN, one row of the given tokens or `varlen`,
+ops_bench's 8-row mix, 16 heads, K = V = 128, bf16, an fp32 initial state per row, one checkpoint per row for ours;
+jla without checkpoints, its contract, and one row only) it reports:
 - wall: median of synced calls (what `ops_bench` reports),
 - dispatch: how long the Python call takes to return (host work before the launches are queued),
 - pipelined: per-call time of 20 calls queued back to back, then one sync (host overhead hidden behind the GPU),
@@ -26,7 +27,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np  # noqa: E402
 
 from bench.common import device, implementation_spec, jax_time, trace_events, versions  # noqa: E402
-from bench.ops_bench import checkpoint_lists, delta_inputs  # noqa: E402
+from bench.ops_bench import VARLEN_MIX, checkpoint_lists, delta_inputs  # noqa: E402
 
 
 def _split_events(events):
@@ -85,6 +86,10 @@ def probe(fn, args, *, reps=10):
     return result
 
 
+def _lengths(tokens):
+    return list(VARLEN_MIX) if tokens == "varlen" else [int(tokens)]
+
+
 def ours(spec, tokens, heads):
     import jax
     import jax.numpy as jnp
@@ -92,8 +97,8 @@ def ours(spec, tokens, heads):
     from jaxckpt import ops
 
     impl, kernel_options = implementation_spec(spec)
-    q, k, v, g, beta, h0, cu = delta_inputs([tokens], heads, 128, "gdn")
-    ccu, offsets = checkpoint_lists([tokens], "per_row")
+    q, k, v, g, beta, h0, cu = delta_inputs(_lengths(tokens), heads, 128, "gdn")
+    ccu, offsets = checkpoint_lists(_lengths(tokens), "per_row")
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
     f = jax.jit(lambda q, k, v, g, beta, h0, cu, ccu, off: ops.gated_delta_rule(
         q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
@@ -107,7 +112,7 @@ def jla(tokens, heads):
     import jax.numpy as jnp
     from jla.ops import linear_attention
 
-    q, k, v, g, beta, h0, _ = delta_inputs([tokens], heads, 128, "gdn")
+    q, k, v, g, beta, h0, _ = delta_inputs([int(tokens)], heads, 128, "gdn")
     bf = lambda x: jnp.asarray(x[None], jnp.bfloat16)  # noqa: E731
     f = jax.jit(lambda q, k, v, g, beta, h0: linear_attention("gated_deltanet", q, k, v, g=g, beta=beta,
                                                               impl="mosaic_gpu", initial_state=h0,
@@ -119,7 +124,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--impls", nargs="+", default=["pallas_mosaic_gpu@intra=mosaic_gpu"])
     parser.add_argument("--peers", nargs="*", default=["jla"])
-    parser.add_argument("--tokens", nargs="+", type=int, default=[8192])
+    parser.add_argument("--tokens", nargs="+", default=["8192"], help="row lengths, or 'varlen' (ops_bench's mix)")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--name", default="latency_probe")
     args = parser.parse_args(argv)
@@ -129,6 +134,8 @@ def main(argv=None):
     cases += [("jla_mosaic_gpu", lambda t: jla(t, args.heads))] if "jla" in args.peers else []
     for tokens in args.tokens:
         for name, build in cases:
+            if tokens == "varlen" and name == "jla_mosaic_gpu":
+                continue  # no per-row initial states with varlen rows
             try:
                 r = probe(*build(tokens))
                 rows.append({"implementation": name, "tokens": tokens, "heads": args.heads, **r})

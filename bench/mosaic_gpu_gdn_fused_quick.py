@@ -6,15 +6,9 @@ GPU: `python -m bench.mosaic_gpu_gdn_fused_quick [--shapes 1x8192x16 1x32768x16 
 [--reps 20]`. Per shape B x T x H (B rows of T tokens, H = HV heads, K = V = 128, bf16, l2-normalized q, k,
 initial states), `pallas_triton_delta.prepare` runs once; then each pipeline is jitted on its outputs and timed:
 wall = median of `bench.common.jax_time` (device-synced calls, compile excluded); device = the kernels of one call
-from a profiler trace (`bench.profile_delta.kernel_times`), total and per kernel. Printed for the fused passes: max
+from a profiler trace (`bench.profile_delta.kernel_times`), total and per kernel. Printed for the fused pass: max
 relative difference (max |a - b| / max |b|) against the unfused v1 pipeline of o (real tokens), final states and
-checkpoints (both are ~1e-3 from float64: tests/gpu/test_mosaic_gpu_gdn_fused.py measures which is closer); and
-for the two lanes kernels, the fused `gdn_fused_lanes` (two wgmma rounds per chunk since W and U moved off its
-chain; the three-round version measured 3.1 us, `bench/results/mosaic_gpu_gdn_fused_h200.log`) and v2's
-`delta_state_lanes` (two rounds, ~1.65 us), the time per chunk step: kernel time / (waves of CTAs x chunks per
-row), one CTA per SM (each takes ~218 KB of SMEM).
-"fused publish_slots=2" is the fused pass with two buffers of the published tiles (a 2-slot TMA ring at K = 128):
-whether the output warpgroup, which now also forms W and U, holds the chain back with one.
+checkpoints (both are ~1e-3 from float64: tests/gpu/test_mosaic_gpu_gdn_fused.py measures which is closer).
 `--interpret` is a CPU dry run at tiny sizes (e.g. `--shapes 1x130x1 --dim 64 --reps 1`), not a measurement.
 """
 
@@ -58,17 +52,6 @@ def prepared(rng, batch, tokens, heads, dim, num_checkpoints, interpret):
     return p, init
 
 
-LANES_KERNELS = ("gdn_fused_lanes", "delta_state_lanes")
-
-
-def step_us(kernels, *, ctas, chunks, sms) -> str:
-    """' step X us' for the lanes kernel among `kernels` (module docstring), '' when none ran (interpret)."""
-    for name, ms in kernels.items():
-        if name.startswith(LANES_KERNELS) and "_map" not in name:
-            return f"  {name.split('_mosaic')[0]} step {1e3 * ms / (-(-ctas // sms) * chunks):.2f} us"
-    return ""
-
-
 def max_rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) if b.size else 0.0
@@ -94,7 +77,6 @@ def main(argv=None):
     from jaxckpt.ops.common import pallas_mosaic_gpu_state as mgs
 
     print(f"devices: {jax.devices()}", flush=True)
-    sms = getattr(jax.devices()[0], "core_count", None) or 1
     rng = np.random.default_rng(0)
     interpret = args.interpret
 
@@ -112,8 +94,6 @@ def main(argv=None):
     pipelines = {"unfused intra+state_pass": unfused(mgd.state_pass),
                  "unfused intra+state_pass_v2": unfused(mgs.state_pass_v2),
                  "fused gdn_fused_pass": lambda p, init: fused.gdn_fused_pass(p, init, interpret=interpret),
-                 "fused publish_slots=2": lambda p, init: fused.gdn_fused_pass(p, init, interpret=interpret,
-                                                                                publish_slots=2),
                  "fused gdn_kkt alone": kkt_only}
     for shape in args.shapes:
         batch, tokens, heads = (int(n) for n in shape.split("x"))
@@ -137,13 +117,12 @@ def main(argv=None):
                 note = ""
                 if baseline is None:
                     baseline = out
-                elif name.startswith("fused") and "alone" not in name:
+                elif name == "fused gdn_fused_pass":
                     o_a, o_b = (np.asarray(jnp.asarray(x[0], jnp.float32))[rows] for x in (out, baseline))
                     note = (f"\n    vs unfused v1 max-rel: o {max_rel(o_a, o_b):.1e} final "
                             f"{max_rel(out[1], baseline[1]):.1e} ckpt "
                             f"{max_rel(*(np.asarray(x[2])[:ck_valid.size][ck_valid] for x in (out, baseline))):.1e}")
-                step = step_us(kernels, ctas=batch * heads * (args.dim // 64), chunks=-(-tokens // 64), sms=sms)
-                print(f"{label} {name:28s} wall {wall:8.3f} ms  device {device_ms:8.3f} ms{step}\n    kernels (ms): "
+                print(f"{label} {name:28s} wall {wall:8.3f} ms  device {device_ms:8.3f} ms\n    kernels (ms): "
                       f"[{named}]{note}", flush=True)
 
 

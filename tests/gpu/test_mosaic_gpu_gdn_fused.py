@@ -1,9 +1,8 @@
 """The fused GDN pass (`pallas_mosaic_gpu_gdn_fused`) on an H100/H200 at real sizes: against float64 and against the
 unfused Mosaic GPU pipeline (`gdn_intra` + `pallas_mosaic_gpu_delta.state_pass`), whose error it must not exceed;
 varlen rows off the 8-row TMA grid with NaN padding; map_mode consistent with the plain lanes. This is where the
-tensor-core rounding, the register-A wgmma path (the state warpgroup's chain and the output warpgroup's W, U
-products) and the TMA addressing are checked (the CPU interpreter sees none of them:
-tests/ops/test_pallas_mosaic_gpu_gdn_fused.py).
+tensor-core rounding, the register-A wgmma path and the TMA addressing are checked (the CPU interpreter sees none
+of them: tests/ops/test_pallas_mosaic_gpu_gdn_fused.py).
 
 Run on the GPU machine:
 `JAXCKPT_GPU_TESTS=1 JAX_PLATFORMS=cuda python -m pytest -q -s tests/gpu/test_mosaic_gpu_gdn_fused.py`.

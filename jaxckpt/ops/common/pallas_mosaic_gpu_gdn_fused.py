@@ -1,6 +1,5 @@
 """A fused GDN (scalar decay) chunked pass on Pallas Mosaic GPU: one small kernel for the gate-free inverse, then one
-warp-specialized state loop that forms everything else per chunk, so that W, U, KD, QG and AQK never reach global
-memory.
+warp-specialized state loop that forms everything else per chunk, so that W, U, KD, QG and AQK are never written.
 
 Written against jax 0.11.2 (`plgpu.kernel`, Lane lowering semantics, `num_threads` / `thread_name` warp
 specialization); check this module when jax moves.
@@ -38,57 +37,37 @@ Kernels:
    (`pallas_mosaic_gpu_state`'s lanes contract: a lane is a contiguous range of chunks with a start state):
    - memory (warpgroup 2, registers lowered): a 2- to 4-slot TMA ring of the chunk tiles q, k, v[:, cols], T0 and
      the G and beta rows; a slot is refilled once both consumers have released it (`in_free`, two arrivals).
-   - output (warpgroup 1): one chunk ahead of the state warpgroup it forms, with v_new = Ag (v - exp(G) (k S)) =
-     U - W S,
-         W = Ag diag(exp(G)) k [C, K]  (Ag diag(exp(G))[i, j] = T0[i, j] exp(G_i) beta_j)      U = Ag v [C, BV]
-     by wgmmas with Ag whole (diagonal included) as a hi + lo register A operand and the ring's exact k and v tiles
-     as B, and publishes W (one 16-bit term) into a double-buffered tile and U as a hi + lo pair in place of the
-     slot's T0 and v tiles (`wu_ready` / `w_free` per W buffer). So W and U are off the state chain, and its
-     wgmmas are issued with the current chunk's scores P = scale tril(q k^T) exp(G_i - G_j). Then it waits for the
-     published S^T_hi and v_new_hi and computes O = scale exp(G) (q S_hi) + P v_new_hi (two accumulators, issued
-     together), staged and TMA-stored into the chunk-major o [NC, C, HV, V] (every chunk whole: a TMA store cannot
-     be masked by rows).
-   - state (warpgroup 0): carries S^T [BV, K] fp32 in registers (WGMMA layout) so both products on the chain take
-     their A operand from registers, the two rounds of `pallas_mosaic_gpu_state`'s lanes kernel:
-         v_new^T = U^T - S^T W^T   (S^T as hi + lo, two wgmmas)
-         S^T <- exp(G_last) S^T + (v_new^T exp(G_last - G)) k   (hi + lo)
-     It publishes S^T_hi during the first round and v_new_hi during the update, for the output warpgroup; with
-     `publish_slots=1` (the default, as the lanes kernel's faster setting) it waits for the output warpgroup's
-     previous chunk before publishing, with 2 for the one before that. Why two rounds: the first version formed
-     (k S)^T, then v_new^T = beta X^T + X^T Ag_<^T from X^T = v^T - exp(G) (k S)^T, then the update: three
-     dependent wgmma rounds, 3.1 us per chunk step on an H200 against the lanes kernel's 1.65 us with two.
-     Precision: the state-feeding operands (S and v_new in its decayed form) are 16-bit hi + lo pairs with fp32
-     accumulation, as in `pallas_mosaic_gpu_delta`; Ag enters W and U as hi + lo and U is kept as hi + lo, while W
-     is one 16-bit term (its rounding is second to T0's, below). Measured offline (numpy, K = V = 128, 128 chunks,
-     unit bf16 keys, beta = sigmoid(N(0, 1)), g = -softplus(-N(0, 1)), start state 0.1 N(0, 1), T0 rounded to
-     bf16, 3 seeds), final-state rel-RMS against exact arithmetic: this chain 1.4e-5-4.0e-5, the three-round chain
-     (Ag_< one bf16 term, its diagonal in fp32) 1.4e-5-1.1e-4; with g / 32 (states carry across chunks)
-     3.2e-4-3.6e-4 against 4.4e-4-4.9e-4 (W as hi + lo would give 3.0e-4-3.3e-4); correlated keys (k + 1.5 c,
-     one c ~ N(0, I) for all tokens, normalized) 1.1e-4-5.4e-4 against 1.5e-4-9.0e-4. U as one bf16 term measured
-     1.6e-3-1.7e-3 (U = Ag v is as large as v and enters v_new directly), so U stays hi + lo; the unfused
-     pipeline's bf16 W, U 1.9e-3-2.4e-3. T0 stays one 16-bit term: with Ag otherwise exact, T0 in bf16 alone gives
-     4e-5.
-   Checkpoints: a chunk with checkpoints forms, for each at chunk position r, exp(G_{r-1}) S + sum_{i<r}
-   exp(G_{r-1} - G_i) k_i v_new_i^T (r = 0: S itself) in the state warpgroup after the update wgmma, as
-   (v_new^T exp(G_{r-1} - G) [i < r]) k: the decay and the mask (a select on the exponent) scale v_new's columns,
-   split hi + lo as a register A operand, so the keys are the ring's exact k tile and no SMEM tile is needed (a
-   scalar decay per token allows it; `pallas_mosaic_gpu_state` puts KDA's per-key decay on the keys). The carried
-   S never depends on checkpoints. States cross global memory transposed ([.., V, K]) as in
-   `pallas_mosaic_gpu_state`.
-   map_mode: the lane's affine map [M | E] as the same recurrence over the column blocks of [I | 0] with v -> [0 | v]
-   (U -> [0 | U]); no q, no O (the output warpgroup only forms W and U).
-   Barriers: every waiter observes every phase of its barriers before the CTA ends (the `drain` loops; the
-   interpreter checks it when a barrier is deallocated), and all three warpgroups meet at a final barrier. The
-   interpreter's race detector orders a TMA refill (an async-proxy write) after a consumer's generic reads of the
-   slot only through a `commit_smem` (proxy fence) between those reads and the release, so the output warpgroup
-   reads the slot's G rows before its P commit.
+   - state (warpgroup 0): carries S^T [BV, K] fp32 in registers (WGMMA layout) so every product on the chain takes
+     its A operand from registers: (k S)^T = S^T k^T (S^T as hi + lo, two wgmmas), X^T = v^T - exp(G) (k S)^T,
+     v_new^T = beta X^T + X^T Ag_<^T (X^T hi + lo, Ag_< the strictly lower part of Ag, in SMEM),
+     S^T <- exp(G_last) S^T + (v_new^T exp(G_last - G)) k (hi + lo). It publishes S^T_hi during the first wgmma and
+     v_new_hi during the update, for the output warpgroup.
+     Precision: as the current pass (`pallas_mosaic_gpu_delta` docstring) the state-feeding operands (S, X, and
+     v_new in its decayed form) are 16-bit hi + lo pairs with fp32 accumulation. Ag is one 16-bit term, but its
+     diagonal (beta_i: T0's diagonal is 1) is applied in fp32 registers, because rounding it dominates otherwise.
+     Measured offline (numpy, K = V = 128, 128 chunks, unit bf16 keys, beta = sigmoid(N(0, 1)),
+     g = -softplus(-N(0, 1)), start state 0.1 N(0, 1)), final-state rel-RMS against exact arithmetic: Ag rounded
+     to bf16 whole 0.8-2.3e-3 (T0 bf16 or fp16 alike), diagonal in fp32 and Ag_< in bf16 1.4e-5-6.9e-5, T0 in bf16
+     with Ag exact 4e-5 (so T0 stays one 16-bit term); the unfused pipeline's bf16 W, U 1.9-2.4e-3. Dropping
+     X_lo measured the same there (1.3e-5: Ag_< is small for uncorrelated keys) but is kept for correlated ones.
+   - output (warpgroup 1): one chunk ahead of the state warpgroup it turns the ring's T0 into Ag in place (so Ag
+     is off the state chain), then for the current chunk forms the scores P = scale tril(q k^T) exp(G_i - G_j),
+     waits for the published S^T_hi and v_new_hi and computes O = scale exp(G) (q S_hi) + P v_new_hi (two
+     accumulators, issued together), staged and TMA-stored into the chunk-major o [NC, C, HV, V] (every chunk
+     whole: a TMA store cannot be masked by rows).
+   Checkpoints as in `pallas_mosaic_gpu_state`: a chunk with checkpoints forms, for each at chunk position r,
+   exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T (r = 0: S itself) in the state warpgroup after the
+   update wgmma, with kr = k exp(G_{r-1} - G) (rows >= r masked by a select) split hi + lo into SMEM; the keys are
+   the ring's k tile (already chunk-major and zero-padded, so no gathered key copy as there). The carried S never
+   depends on checkpoints. States cross global memory transposed ([.., V, K]) as in `pallas_mosaic_gpu_state`.
+   map_mode: the lane's affine map [M | E] as the same recurrence over the column blocks of [I | 0] with v -> [0 | v];
+   no q, no O (the output warpgroup only prepares Ag).
 3. `gdn_fused_pass`: `gdn_kkt` + `gdn_fused_lanes` over whole rows, with `pallas_mosaic_gpu_delta.state_pass`'s
    return contract.
 
-SMEM (K = V = 128, bf16): a ring slot holds q, k (16 KB each), v's column block and T0 (8 KB each; U's hi and lo
-halves once formed) and the G, beta rows: 48.5 KB; fixed: W 2 x 16 KB, published S^T_hi 16 KB and v_new_hi 8 KB
-per publish slot, P 8 KB, O staging 8 KB. 3 slots with one publish slot (218 KB of the 227 KB), 2 with two
-(194 KB), with or without checkpoints; map_mode (162 KB) and K = 64 (178 / 194 KB) take 4 (`_stages`).
+SMEM (K = V = 128, bf16): a ring slot holds q, k (16 KB each), v's column block and T0 / Ag (8 KB each) and the G,
+beta rows: 48.5 KB; fixed: published S^T_hi 2 x 16 KB, v_new_hi 2 x 8 KB, P 8 KB, O staging 8 KB; checkpoint kr
+tiles 2 x 16 KB. 3 slots without checkpoints (210 KB), 2 with (194 KB); map_mode and K = 64 take 4 (`_stages`).
 
 Interpret mode (`interpret=True` or a `plgpu.InterpretGPUParams`): Mosaic GPU's interpreter reads a wgmma's A
 operand only from SMEM, so there every register operand takes a detour through a scratch tile (`_lhs`); its wgmma
@@ -259,13 +238,13 @@ def gdn_kkt(chunk_start, chunk_len, q, k, v, beta, *, group, interpret=False):
 # --------------------------------------------------------------------------------------------- gdn_fused_lanes
 
 
-def _stages(head_k, dtype, *, map_mode, publish_slots):
-    """The deepest TMA ring (2 to 4 slots) that fits next to the fixed tiles (module docstring, SMEM)."""
+def _stages(head_k, dtype, *, map_mode, has_checkpoints):
+    """The deepest TMA ring (2 to 4 slots) that fits next to the fixed tiles."""
     size = jnp.dtype(dtype).itemsize
     per_stage = CHUNK * ((1 if map_mode else 2) * head_k + BLOCK_V + CHUNK) * size + 2 * 4 * CHUNK
-    fixed = 2 * CHUNK * head_k * size  # W, double-buffered
-    if not map_mode:  # published S^T_hi and v_new_hi, P, O staging
-        fixed += (publish_slots * (BLOCK_V * head_k + CHUNK * BLOCK_V) + CHUNK * CHUNK + CHUNK * BLOCK_V) * size
+    # published S^T_hi and v_new_hi, P, O staging
+    fixed = 0 if map_mode else (2 * BLOCK_V * head_k + 2 * CHUNK * BLOCK_V + CHUNK * CHUNK + CHUNK * BLOCK_V) * size
+    fixed += 2 * CHUNK * head_k * size if has_checkpoints else 0
     fixed += 2048  # barriers and alignment
     for stages in (4, 3, 2):
         if stages * per_stage + fixed <= _SMEM_BYTES:
@@ -273,7 +252,7 @@ def _stages(head_k, dtype, *, map_mode, publish_slots):
     raise ValueError(f"gdn_fused_lanes: K = {head_k} needs {2 * per_stage + fixed} bytes of SMEM")
 
 
-def _fused_kernel(*refs, group, scale, stages, publish_slots, map_mode, has_init, has_checkpoints, **s):
+def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoints, **s):
     refs = list(refs)
     take = lambda count: [refs.pop(0) for _ in range(count)]  # noqa: E731
     first_ref, count_ref, G_ref, beta_ref, t0_ref, k_ref, v_ref = take(7)
@@ -284,8 +263,8 @@ def _fused_kernel(*refs, group, scale, stages, publish_slots, map_mode, has_init
     o_ref = None if map_mode else refs.pop(0)
     end_ref = refs.pop(0)
     ckpt_ref = None if map_mode else refs.pop(0)
-    k_s, v_s, ag_s, w_s, G_s, b_s = s["k_s"], s["v_s"], s["ag_s"], s["w_s"], s["G_s"], s["b_s"]
-    in_bar, in_free, wu_ready, w_free, done = s["in_bar"], s["in_free"], s["wu_ready"], s["w_free"], s["done"]
+    k_s, v_s, ag_s, G_s, b_s = s["k_s"], s["v_s"], s["ag_s"], s["G_s"], s["b_s"]
+    in_bar, in_free, ag_ready, done = s["in_bar"], s["in_free"], s["ag_ready"], s["done"]
 
     lane, h, j = lax.axis_index("l"), lax.axis_index("h"), lax.axis_index("j")
     wg = lax.axis_index("wg")
@@ -302,7 +281,6 @@ def _fused_kernel(*refs, group, scale, stages, publish_slots, map_mode, has_init
     else:
         v_cols = pl.ds(j * BLOCK_V, BLOCK_V)
     cols = pl.ds(j * BLOCK_V, BLOCK_V)
-    detour = lambda name: s.get(name)  # noqa: E731  (interpret only)
 
     @pl.when(wg == _MEMORY)
     def _memory():
@@ -345,21 +323,28 @@ def _fused_kernel(*refs, group, scale, stages, publish_slots, map_mode, has_init
             S0 = tiles.load(init_ref.at[lane, h, cols])
         else:
             S0 = plgpu.layout_cast(jnp.zeros(state_shape, _F32), _WG)
+        detour = lambda name: s.get(name)  # noqa: E731  (interpret only)
 
         def checkpoints(c, slot, S, vn_hi, vn_lo):
-            """The checkpoints of chunk c (module docstring): decay and mask scale v_new's columns, so the keys are
-            the ring's exact k tile."""
+            """The checkpoints of chunk c (module docstring); keys from the ring's (zero-padded) k tile."""
+            kr_hi, kr_lo = s["kr_hi"], s["kr_lo"]
+            k_c = tiles.load(k_s.at[slot]).astype(_F32)  # [C, K]
+            tile = (CHUNK, head_k)
+            G_c = tiles.by_row(tiles.load(G_s.at[slot], _ROW), tile)
+            a_hi, a_lo = _lhs(vn_hi, detour("x_hi_d")), _lhs(vn_lo, detour("x_lo_d"))
+
             def one(m, carry):
-                # formed per checkpoint: S and S_next already hold 128 registers through the loop
-                v_new = vn_hi.astype(_F32) + vn_lo.astype(_F32)  # v_new^T [BV, C]
-                G_col = tiles.by_col(tiles.load(G_s.at[slot], _COL), v_new.shape)
                 r = ck_pos_ref[m]
-                G_r = G_s[slot, jnp.maximum(r - 1, 0)]
-                inside = jnp.where(r > 0, 1.0, 0.0)  # r = 0: no tokens before, decay exp(0): S itself
-                a = v_new * jnp.exp(jnp.where(tiles.iota(v_new.shape, 1) < r, G_r - G_col, -jnp.inf))
-                a_hi, a_lo = tiles.split(a, dtype, 2)
-                pairs = ((_lhs(a_hi, detour("x_hi_d")), k_s.at[slot]), (_lhs(a_lo, detour("x_lo_d")), k_s.at[slot]))
-                (added,) = _matmuls((state_shape, pairs))
+                at = jnp.maximum(r - 1, 0)
+                inside = jnp.where(r > 0, 1.0, 0.0)  # r = 0: no rows below, decay exp(0): S itself
+                before = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=_WG) < r
+                G_r = G_s[slot, at]
+                kr = jnp.where(before, k_c * jnp.exp(jnp.where(before, G_r - G_c, -jnp.inf)), 0.0)
+                hi, lo = tiles.split(kr, dtype, 2)
+                kr_hi[...] = hi
+                kr_lo[...] = lo
+                plgpu.commit_smem()
+                (added,) = _matmuls((state_shape, ((a_hi, kr_hi), (a_lo, kr_hi), (a_hi, kr_lo))))
                 ckpt_ref.at[m, h, cols][...] = jnp.exp(G_r * inside) * S + added
                 return carry
 
@@ -367,31 +352,35 @@ def _fused_kernel(*refs, group, scale, stages, publish_slots, map_mode, has_init
             lax.fori_loop(start, start + ck_count_ref[c], one, 0)
 
         def step(i, S):
-            c, slot, buf, half = first + i, lax.rem(i, stages), lax.rem(i, 2), lax.rem(i, publish_slots)
+            c, slot, half = first + i, lax.rem(i, stages), lax.rem(i, 2)
             # a global load, issued before the chain's wgmmas that it can land under
             has_ck = ck_count_ref[c] > 0 if has_checkpoints else None
             plgpu.barrier_wait(in_bar.at[slot])
-            plgpu.barrier_wait(wu_ready.at[buf])
+            plgpu.barrier_wait(ag_ready.at[slot])
             s_hi, s_lo = tiles.split(S, dtype, 2)
-            # U^T [BV, C], its hi + lo halves in place of the slot's T0 and v tiles
-            u_t = tiles.load(ag_s.at[slot].T).astype(_F32) + tiles.load(v_s.at[slot].T).astype(_F32)
+            k_t = k_s.at[slot].T  # [K, C]
+            v_t = tiles.load(v_s.at[slot].T).astype(_F32)  # [BV, C]
             if map_mode:
-                u_t = jnp.where(identity, jnp.zeros_like(u_t), u_t)
+                v_t = jnp.where(identity, jnp.zeros_like(v_t), v_t)
             G_col = tiles.load(G_s.at[slot], _COL)  # [C]: per column of the [BV, C] tiles
             G_last = G_s[slot, CHUNK - 1]  # padded rows have g = 0: the last real token's G
 
             def publish_state():
-                @pl.when(i >= publish_slots)
+                @pl.when(i >= 2)
                 def _():
-                    plgpu.barrier_wait(s["s_free"].at[half])  # the output warpgroup read the slot's last tiles
+                    plgpu.barrier_wait(s["s_free"].at[half])  # the output warpgroup read chunk i - 2's tiles
 
                 s["s_pub"].at[half][...] = s_hi
 
-            w_t = w_s.at[buf].T  # [K, C]
-            pairs = ((_lhs(s_hi, detour("s_hi_d")), w_t), (_lhs(s_lo, detour("s_lo_d")), w_t))
-            (ws,) = _matmuls(((BLOCK_V, CHUNK), pairs), during=None if map_mode else publish_state)  # (W S)^T
-            plgpu.barrier_arrive(w_free.at[buf])
-            v_new = u_t - ws  # v_new^T [BV, C]
+            pairs = ((_lhs(s_hi, detour("s_hi_d")), k_t), (_lhs(s_lo, detour("s_lo_d")), k_t))
+            (ks,) = _matmuls(((BLOCK_V, CHUNK), pairs), during=None if map_mode else publish_state)  # (k S)^T
+            x = v_t - tiles.by_col(jnp.exp(G_col), ks.shape) * ks  # X^T [BV, C]
+            x_hi, x_lo = tiles.split(x, dtype, 2)
+            ag_t = ag_s.at[slot].T  # strictly lower Ag^T [C_j, C_i]
+            diagonal = x * tiles.by_col(tiles.load(b_s.at[slot], _COL), x.shape)  # Ag's diagonal beta, in fp32
+            pairs = ((_lhs(x_hi, detour("x_hi_d")), ag_t), (_lhs(x_lo, detour("x_lo_d")), ag_t))
+            (v_new,) = _matmuls(((BLOCK_V, CHUNK), pairs))
+            v_new = diagonal + v_new  # v_new^T [BV, C]
             vn_hi, vn_lo = tiles.split(v_new, dtype, 2)
             vd_hi, vd_lo = tiles.split(v_new * tiles.by_col(jnp.exp(G_last - G_col), v_new.shape), dtype, 2)
 
@@ -415,90 +404,54 @@ def _fused_kernel(*refs, group, scale, stages, publish_slots, map_mode, has_init
         end_ref.at[lane, h, cols][...] = S
         if not map_mode:
             def drain(i, carry):
-                plgpu.barrier_wait(s["s_free"].at[lax.rem(i, publish_slots)])
+                plgpu.barrier_wait(s["s_free"].at[lax.rem(i, 2)])
                 return carry
 
-            lax.fori_loop(jnp.maximum(count - publish_slots, 0), count, drain, 0)
+            lax.fori_loop(jnp.maximum(count - 2, 0), count, drain, 0)
 
     @pl.when(wg == _OUTPUT)
     def _output():
         plgpu.set_max_registers(232, action="increase")
 
-        def weights(i):
-            """The wgmma products W = Ag exp(G) k [C, K] and U = Ag v [C, BV] of chunk i, Ag whole as hi + lo."""
+        def prepare(i):
+            """Ag of chunk i, in place of its T0 tile, for the state warpgroup."""
             slot = lax.rem(i, stages)
             plgpu.barrier_wait(in_bar.at[slot])
-            G_row = tiles.load(G_s.at[slot], _ROW)
-            t0b = tiles.load(ag_s.at[slot]).astype(_F32) * tiles.by_col(tiles.load(b_s.at[slot], _COL), sq)
-            ag = t0b * _decayed_lower(G_row, tiles.load(G_s.at[slot], _COL), sq)  # T0's diagonal is 1: beta there
-            # Ag diag(exp(G)) = T0[i, j] exp(G_i) beta_j
-            ag_w = jnp.where(tiles.iota(sq, 0) >= tiles.iota(sq, 1), t0b * tiles.by_row(jnp.exp(G_row), sq), 0.0)
-            (w_hi, w_lo), (u_hi, u_lo) = tiles.split(ag_w, dtype, 2), tiles.split(ag, dtype, 2)
-            k_t, v_t = k_s.at[slot], v_s.at[slot]
-            return (((CHUNK, head_k), ((_lhs(w_hi, detour("aw_hi_d")), k_t), (_lhs(w_lo, detour("aw_lo_d")), k_t))),
-                    ((CHUNK, BLOCK_V), ((_lhs(u_hi, detour("au_hi_d")), v_t), (_lhs(u_lo, detour("au_lo_d")), v_t))))
-
-        def publish_weights(i, w, u):
-            """W into its buffer (one 16-bit term), U as hi + lo in place of T0 and v (read: the wgmmas are done)."""
-            slot, buf = lax.rem(i, stages), lax.rem(i, 2)
-
-            @pl.when(i >= 2)
-            def _():
-                plgpu.barrier_wait(w_free.at[buf])  # the state warpgroup read chunk i - 2's W
-
-            w_s.at[buf][...] = w.astype(dtype)
-            u_hi, u_lo = tiles.split(u, dtype, 2)
-            ag_s.at[slot][...] = u_hi
-            v_s.at[slot][...] = u_lo
+            t0 = tiles.load(ag_s.at[slot]).astype(_F32)  # [C, C]
+            decay = _decayed_lower(tiles.load(G_s.at[slot], _ROW), tiles.load(G_s.at[slot], _COL), sq)
+            ag = t0 * decay * tiles.by_col(tiles.load(b_s.at[slot], _COL), sq)
+            # the diagonal (beta) is applied in fp32 by the state warpgroup (module docstring, precision)
+            strict = tiles.iota(sq, 0) > tiles.iota(sq, 1)
+            ag_s.at[slot][...] = jnp.where(strict, ag, 0.0).astype(dtype)
             plgpu.commit_smem()
-            plgpu.barrier_arrive(wu_ready.at[buf])
-
-        def drain():
-            def one(i, carry):
-                plgpu.barrier_wait(w_free.at[lax.rem(i, 2)])
-                return carry
-
-            lax.fori_loop(jnp.maximum(count - 2, 0), count, one, 0)
+            plgpu.barrier_arrive(ag_ready.at[slot])
 
         if map_mode:
             def step(i, carry):
-                publish_weights(i, *_matmuls(*weights(i)))
+                prepare(i)
                 plgpu.barrier_arrive(in_free.at[lax.rem(i, stages)])
                 return carry
 
             lax.fori_loop(0, count, step, 0)
-            drain()
             return
 
         q_s, s_pub, vn_pub, p_s, o_s = s["q_s"], s["s_pub"], s["vn_pub"], s["p_s"], s["o_s"]
 
         @pl.when(count > 0)
         def _():
-            publish_weights(0, *_matmuls(*weights(0)))
+            prepare(0)
 
         def step(i, carry):
-            c, slot, half = first + i, lax.rem(i, stages), lax.rem(i, publish_slots)
-            # read before the commit below: a TMA refill of the slot after it is released must be ordered after
-            # every generic read too (the interpreter's race detector models the proxy fence)
-            G_row = tiles.load(G_s.at[slot], _ROW)
-            scores = (sq, ((q_s.at[slot], k_s.at[slot].T),))
+            c, slot, half = first + i, lax.rem(i, stages), lax.rem(i, 2)
 
-            def store_scores(qk):
-                # formed after the wgmmas: the A operands and accumulators hold ~190 registers while they run
-                decay = _decayed_lower(G_row, tiles.load(G_s.at[slot], _COL), sq)
-                p_s[...] = (scale * qk * decay).astype(dtype)  # decay is 0 above the diagonal
-
-            # chunk i + 1's W and U (one chunk ahead: off the state chain), issued with chunk i's scores
             @pl.when(i + 1 < count)
             def _():
-                w, u, qk = _matmuls(*weights(i + 1), scores)
-                publish_weights(i + 1, w, u)
-                store_scores(qk)
+                prepare(i + 1)
 
-            @pl.when(i + 1 == count)
-            def _():
-                store_scores(*_matmuls(scores))
-
+            G_row = tiles.load(G_s.at[slot], _ROW)
+            decay = _decayed_lower(G_row, tiles.load(G_s.at[slot], _COL), sq)
+            (scores,) = _matmuls((sq, ((q_s.at[slot], k_s.at[slot].T),)))
+            p_s[...] = (scale * scores * decay).astype(dtype)  # decay is 0 above the diagonal
             plgpu.commit_smem()
             plgpu.barrier_wait(s["s_ready"].at[half])
             qs, pv = _matmuls(((CHUNK, BLOCK_V), ((q_s.at[slot], s_pub.at[half].T),)),
@@ -514,7 +467,6 @@ def _fused_kernel(*refs, group, scale, stages, publish_slots, map_mode, has_init
 
         lax.fori_loop(0, count, step, 0)
         plgpu.wait_smem_to_gmem(0)
-        drain()
 
     # a warpgroup exiting while another still issues wgmmas has faulted on sm_90 (`pallas_mosaic_gpu_state`)
     plgpu.barrier_arrive(done)
@@ -522,7 +474,7 @@ def _fused_kernel(*refs, group, scale, stages, publish_slots, map_mode, has_init
 
 
 def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, checkpoints=None, *, group, scale,
-                    map_mode=False, interpret=False, publish_slots=1):
+                    map_mode=False, interpret=False):
     """The fused GDN state loop over L lanes (module docstring, kernel 2), on `gdn_kkt`'s outputs.
 
     lane_first, lane_count  # i32[L]: lane l walks chunks lane_first[l], ..., + lane_count[l] - 1 (count 0: end =
@@ -535,8 +487,6 @@ def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, che
     lane_init               # fp32 [L, HV, K, V] start states, or None (zeros)
     checkpoints             # `Checkpoints` or None
     `group` = HV // H, `scale` a Python number. `interpret`: False (GPU), True or a `plgpu.InterpretGPUParams`.
-    `publish_slots` (1 or 2): buffers of the published S^T_hi and v_new_hi (module docstring, SMEM; 2 takes a ring
-    slot at K = 128).
 
     Returns (o chunk-major [NC, C, HV, V] in the 16-bit dtype (chunks outside every lane and padding rows
     unspecified), lane_end fp32 [L, HV, K, V], checkpoint_states fp32 [max(M, 1), HV, K, V]) — the contract of
@@ -545,8 +495,6 @@ def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, che
     """
     if map_mode and (lane_init is not None or checkpoints is not None):
         raise ValueError("map_mode: lane_init and checkpoints must be None")
-    if publish_slots not in (1, 2):
-        raise ValueError(f"publish_slots: must be 1 or 2, got {publish_slots!r}")
     num_v_heads, num_chunks, chunk_in, head_v = v.shape
     head_k = k.shape[-1]
     if chunk_in != CHUNK or head_k % BLOCK_V or head_v % BLOCK_V:
@@ -557,7 +505,7 @@ def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, che
     num_ckpt = checkpoints.checkpoint_pos.shape[0] if checkpoints is not None else 0
     has_checkpoints = num_ckpt > 0
     has_init = lane_init is not None
-    stages = _stages(head_k, dtype, map_mode=map_mode, publish_slots=publish_slots)
+    stages = _stages(head_k, dtype, map_mode=map_mode, has_checkpoints=has_checkpoints)
 
     inputs = [lane_first.astype(jnp.int32), lane_count.astype(jnp.int32), G.astype(_F32), beta.astype(_F32), T0, k, v]
     inputs += [] if map_mode else [q]
@@ -572,29 +520,26 @@ def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, che
         out_type = [jax.ShapeDtypeStruct((num_chunks, CHUNK, num_v_heads, head_v), dtype), end_type,
                     jax.ShapeDtypeStruct((max(num_ckpt, 1), num_v_heads, head_v, head_k), _F32)]
     swz = tiles.swizzled
-    # U [C, BV] lands in place of T0 [C, C]: the same tile while BLOCK_V == CHUNK
     scratch = dict(
         k_s=swz((stages, CHUNK, head_k), dtype), v_s=swz((stages, CHUNK, BLOCK_V), dtype),
-        ag_s=swz((stages, CHUNK, CHUNK), dtype), w_s=swz((2, CHUNK, head_k), dtype),
-        G_s=plgpu.SMEM((stages, CHUNK), _F32), b_s=plgpu.SMEM((stages, CHUNK), _F32),
+        ag_s=swz((stages, CHUNK, CHUNK), dtype), G_s=plgpu.SMEM((stages, CHUNK), _F32),
+        b_s=plgpu.SMEM((stages, CHUNK), _F32),
         in_bar=plgpu.Barrier(num_arrivals=5 if map_mode else 6, num_barriers=stages),
         in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        wu_ready=plgpu.Barrier(num_barriers=2), w_free=plgpu.Barrier(num_barriers=2),
-        done=plgpu.Barrier(num_arrivals=3))
+        ag_ready=plgpu.Barrier(num_barriers=stages), done=plgpu.Barrier(num_arrivals=3))
     if not map_mode:
         scratch.update(
-            q_s=swz((stages, CHUNK, head_k), dtype), s_pub=swz((publish_slots, BLOCK_V, head_k), dtype),
-            vn_pub=swz((publish_slots, CHUNK, BLOCK_V), dtype), p_s=swz((CHUNK, CHUNK), dtype),
-            o_s=swz((CHUNK, BLOCK_V), dtype), s_ready=plgpu.Barrier(num_barriers=publish_slots),
-            s_free=plgpu.Barrier(num_barriers=publish_slots))
+            q_s=swz((stages, CHUNK, head_k), dtype), s_pub=swz((2, BLOCK_V, head_k), dtype),
+            vn_pub=swz((2, CHUNK, BLOCK_V), dtype), p_s=swz((CHUNK, CHUNK), dtype), o_s=swz((CHUNK, BLOCK_V), dtype),
+            s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2))
+    if has_checkpoints:
+        scratch.update(kr_hi=swz((CHUNK, head_k), dtype), kr_lo=swz((CHUNK, head_k), dtype))
     if interpret:
         scratch.update(s_hi_d=swz((BLOCK_V, head_k), dtype), s_lo_d=swz((BLOCK_V, head_k), dtype),
-                       x_hi_d=swz((BLOCK_V, CHUNK), dtype), x_lo_d=swz((BLOCK_V, CHUNK), dtype),
-                       **{name: swz((CHUNK, CHUNK), dtype) for name in ("aw_hi_d", "aw_lo_d", "au_hi_d", "au_lo_d")})
+                       x_hi_d=swz((BLOCK_V, CHUNK), dtype), x_lo_d=swz((BLOCK_V, CHUNK), dtype))
 
-    body = functools.partial(_fused_kernel, group=group, scale=float(scale), stages=stages,
-                             publish_slots=publish_slots, map_mode=map_mode, has_init=has_init,
-                             has_checkpoints=has_checkpoints)
+    body = functools.partial(_fused_kernel, group=group, scale=float(scale), stages=stages, map_mode=map_mode,
+                             has_init=has_init, has_checkpoints=has_checkpoints)
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type), scratch_types=scratch, grid=(num_lanes, num_v_heads, width // BLOCK_V),
         grid_names=("l", "h", "j"), num_threads=3, thread_name="wg",
@@ -609,9 +554,8 @@ def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, che
     return o, lane_end.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
 
 
-def gdn_fused_pass(p, init, *, interpret=False, publish_slots=1):
-    """`gdn_kkt` + `gdn_fused_lanes` over whole rows: `pallas_mosaic_gpu_delta.state_pass`'s contract for GDN;
-    `publish_slots` tunes `gdn_fused_lanes`.
+def gdn_fused_pass(p, init, *, interpret=False):
+    """`gdn_kkt` + `gdn_fused_lanes` over whole rows: `pallas_mosaic_gpu_delta.state_pass`'s contract for GDN.
 
     p     # `pallas_triton_delta.prepare(..., per_channel_decay=False)`
     init  # fp32 [N, HV, K, V] or None (zeros)
@@ -631,4 +575,4 @@ def gdn_fused_pass(p, init, *, interpret=False, publish_slots=1):
         ck_start, ck_count = triton_delta._checkpoint_ranges(lay, lay.chunk_len.shape[0])
         checkpoints = Checkpoints(ck_start, ck_count, lay.checkpoint_pos)
     return gdn_fused_lanes(lay.row_first_chunk, lay.row_num_chunks, q_c, k_c, v_c, beta_c, p.G, t0, init, checkpoints,
-                           group=group, scale=p.scale, interpret=interpret, publish_slots=publish_slots)
+                           group=group, scale=p.scale, interpret=interpret)
