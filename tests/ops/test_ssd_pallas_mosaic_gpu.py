@@ -88,12 +88,13 @@ def test_varlen_with_checkpoints_matches_reference(num_groups, layout, pieces):
 
 
 def test_rows_on_the_chunk_grid_with_the_split_and_traced_metadata():
-    """Full chunks only (every output leaves by whole-chunk TMA stores), z and D, the split into 2 pieces, traced
-    metadata against concrete metadata."""
+    """Full chunks only (every output leaves by whole-chunk TMA stores), z and a per-channel D, the split into 2
+    pieces, traced metadata against concrete metadata."""
     rng = fresh_rng()
     cu = np.array([0, 128, 384], np.int32)
     inputs = make_inputs(rng, 384, 1, cu)
     inputs["z"] = jnp.asarray(rng.normal(size=(384, HEADS, P)), jnp.bfloat16)
+    inputs["D"] = jnp.asarray(rng.normal(size=(HEADS, P)), jnp.float32)  # per channel, added in the kernel
     ckpt = dict(checkpoint_cu=np.array([0, 1, 3], np.int32), checkpoint_offsets=np.array([100, 64, 200], np.int32))
     split = mosaic.ssd(**inputs, **ckpt, interpret=True, pieces=2)
     check_against_reference(split, inputs, ckpt)
@@ -143,8 +144,8 @@ def test_lowers_for_sm90(monkeypatch, head_n):
     bf = jnp.bfloat16
 
     def call(x, dt, A, B, C, h0, cu, ccu, off):
-        return mosaic.ssd(x, dt, A, B, C, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
-                          pieces=2)
+        return mosaic.ssd(x, dt, A, B, C, D=jnp.ones(H), initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu,
+                          checkpoint_offsets=off, pieces=2)
 
     args = (spec((T, H, 128), bf), spec((T, H), jnp.float32), spec((H,), jnp.float32), spec((T, 1, head_n), bf),
             spec((T, 1, head_n), bf), spec((1, H, 128, head_n), jnp.float32), spec((2,), jnp.int32),

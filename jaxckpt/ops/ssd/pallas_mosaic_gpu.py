@@ -25,8 +25,9 @@ layout S [BP, N] fp32 in registers (WGMMA layout, N = d_state on the columns, as
 - output (warpgroup 1): scores = C B^T (wgmma, both operands SMEM), P = scores * exp(Acs_i - Acs_j) delta_j kept
   by a select on j <= i and j < the chunk's length, rounded to 16 bits; then y = exp(Acs_i) (C S_hi^T) + P x (two
   accumulators, issued together; P from registers), staged in SMEM and TMA-stored into y [T, H, P] at the chunk's
-  tokens. Precision as mamba_ssm's and FLA's chunk scans: the output products take the state and P in 16 bits
-  with fp32 accumulation.
+  tokens. With D, D x (x from the ring's tile) is added before y is rounded; the z gate stays an XLA pass.
+  Precision as mamba_ssm's and FLA's chunk scans: the output products take the state and P in 16 bits with fp32
+  accumulation.
 Ring slots are refilled once both consumers have released them (`in_free`, two arrivals); published S slots are
 reused once the output warpgroup has read them (`s_free`). All warpgroups meet at a final barrier (a warpgroup
 exiting while another still issues wgmmas has faulted on sm_90 with jax 0.11.2) and every waiter observes every
@@ -194,11 +195,12 @@ def _store_rows(rows_s, dst, start, length):
         offset = offset + lax.bitwise_and(length, bit)
 
 
-def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, interpret, pad_lane, **s):
+def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_D, interpret, pad_lane, **s):
     refs = list(refs)
     take = lambda count: [refs.pop(0) for _ in range(count)]  # noqa: E731
     first_ref, count_ref, start_ref, len_ref, acs_ref, delta_ref, x_ref, b_ref = take(8)
     c_ref, pad_ref = take(2) if has_output else (None, None)
+    D_ref = refs.pop(0) if has_D else None
     init_ref = refs.pop(0) if has_init else None
     ck_start_ref, ck_count_ref, ck_pos_ref = take(3) if has_checkpoints else (None, None, None)
     y_ref = refs.pop(0) if has_output else None
@@ -346,6 +348,7 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, inte
             square = (CHUNK, CHUNK)
             below = tiles.iota(square, 0) >= tiles.iota(square, 1)
             out_shape = (CHUNK, BLOCK_P)
+            skip = tiles.by_col(tiles.load(D_ref.at[h, cols], _COL), out_shape) if has_D else None  # D x
 
             def ahead(c):
                 c = jnp.minimum(c, num_chunks - 1)
@@ -373,8 +376,11 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, inte
                     (tuple((c_s.at[slot, k], s_pub.at[half, k].T) for k in range(pieces)), out_shape),
                     (((_lhs(p, detour("p_d")), x_s.at[slot]),), out_shape))
                 plgpu.barrier_arrive(s["s_free"].at[half])
+                y = tiles.by_row(jnp.exp(acs_i), out_shape) * inter + intra
+                if has_D:
+                    y = y + skip * tiles.load(x_s.at[slot]).astype(_F32)
                 plgpu.barrier_arrive(in_free.at[slot])
-                y = (tiles.by_row(jnp.exp(acs_i), out_shape) * inter + intra).astype(dtype)
+                y = y.astype(dtype)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores have read the tiles
                 dst = y_ref.at[:, h, cols]
 
@@ -416,7 +422,7 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, inte
 
 
 def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, C, lane_init=None, checkpoints=None,
-              *, interpret=False, stages=None):
+              D=None, *, interpret=False, stages=None):
     """The SSD scan over L lanes (module docstring), reading the packed token arrays directly.
 
     lane_first, lane_count  # i32[L]: lane l walks chunks lane_first[l] .. + lane_count[l] - 1 (lanes never share one)
@@ -426,6 +432,7 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
     B, C                    # [T, G, N] same dtype; C None: the state-only pass (no outputs)
     lane_init               # fp32 [L, H, P, N] start states, or None (zeros)
     checkpoints             # (ck_start i32[NC], ck_count i32[NC], checkpoint_pos i32[M]) or None
+    D                       # fp32 [H, P] skip (y += D x, before y is rounded), or None; only with C
     Returns (y [T, H, P] (None without C; every token of every lane written, tokens past the last lane's last chunk
     zero, others untouched), lane_end fp32 [L, H, P, N], checkpoint_states fp32 [M, H, P, N] or None).
     """
@@ -453,6 +460,8 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
         used = chunk_start[lane_first + lane_count - 1] + chunk_len[lane_first + lane_count - 1]
         pad_start = jnp.max(jnp.where(lane_count > 0, used, 0), initial=0).astype(jnp.int32)
         inputs += [C, jnp.stack([pad_start, num_tokens - pad_start])]
+    has_D = D is not None and has_output
+    inputs += [jnp.broadcast_to(D.astype(_F32).reshape(num_heads, -1), (num_heads, head_p))] if has_D else []
     inputs += [lane_init.astype(_F32)] if has_init else []
     inputs += [a.astype(jnp.int32) for a in checkpoints] if has_checkpoints else []
     state_type = lambda rows: jax.ShapeDtypeStruct((rows, num_heads, head_p, head_n), _F32)  # noqa: E731
@@ -483,7 +492,7 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
         if has_output:
             scratch.update(p_d=tiles.swizzled((CHUNK, CHUNK), dtype))
     body = functools.partial(_ssd_kernel, reps=num_heads // num_groups, stages=stages, has_output=has_output,
-                             has_init=has_init, has_checkpoints=has_checkpoints, interpret=bool(interpret),
+                             has_init=has_init, has_checkpoints=has_checkpoints, has_D=has_D, interpret=bool(interpret),
                              pad_lane=grid_lanes - 1)
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type), scratch_types=scratch, grid=(grid_lanes, num_heads, head_p // BLOCK_P),
@@ -609,8 +618,8 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
         head_lanes = tuple(a.reshape(num_rows, pieces)[:, :-1].reshape(-1) for a in lanes)
         _, ends, _ = ssd_lanes(*head_lanes, *chunks, *tokens[:2], None, interpret=interpret, stages=stages)
         lane_init = _piece_starts(lanes, acs, ends, init, num_rows, pieces)
-    y, lane_end, checkpoint_states = ssd_lanes(*lanes, *chunks, *tokens, lane_init, checkpoints, interpret=interpret,
-                                               stages=stages)
+    y, lane_end, checkpoint_states = ssd_lanes(*lanes, *chunks, *tokens, lane_init, checkpoints, D,
+                                               interpret=interpret, stages=stages)
     y = y[:num_tokens]  # tokens past the last row come back zero
     final_state = lane_end.reshape(num_rows, pieces, *lane_end.shape[1:])[:, -1]
     if checkpoint_states is None:
@@ -618,14 +627,10 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     else:
         checkpoint_states = jnp.where(lay.checkpoint_valid[:, None, None, None], checkpoint_states, 0)
 
-    if D is not None or z is not None:
-        out = y.astype(_F32)
-        if D is not None:
-            out = out + D.astype(_F32).reshape(num_heads, -1) * x.astype(_F32)
-        if z is not None:
-            zf = z.astype(_F32)
-            out = out * zf * jax.nn.sigmoid(zf)
-        y = jnp.where(lay.token_valid[:num_tokens, None, None], out, 0).astype(x.dtype)
+    if z is not None:  # D x is added in the kernel; the gate is one fused XLA pass
+        zf = z.astype(_F32)
+        y = jnp.where(lay.token_valid[:num_tokens, None, None], y.astype(_F32) * zf * jax.nn.sigmoid(zf), 0)
+        y = y.astype(x.dtype)
     if state_layout == "kv":
         final_state, checkpoint_states = final_state.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
     return y, final_state, checkpoint_states
