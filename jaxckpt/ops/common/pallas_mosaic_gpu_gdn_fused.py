@@ -286,13 +286,7 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        def refill(i, carry):
-            c, slot = first + i, lax.rem(i, stages)
-
-            @pl.when(i >= stages)
-            def _():
-                plgpu.barrier_wait(in_free.at[slot])  # both consumers are done with the slot's chunk i - stages
-
+        def issue(c, slot):
             bar = in_bar.at[slot]
             plgpu.copy_gmem_to_smem(k_ref.at[hk, c], k_s.at[slot], bar)
             plgpu.copy_gmem_to_smem(v_ref.at[h, c, :, v_cols], v_s.at[slot], bar)
@@ -301,16 +295,8 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
             plgpu.copy_gmem_to_smem(beta_ref.at[h, c], b_s.at[slot], bar)
             if not map_mode:
                 plgpu.copy_gmem_to_smem(q_ref.at[hk, c], s["q_s"].at[slot], bar)
-            return carry
 
-        lax.fori_loop(0, count, refill, 0)
-
-        def drain(i, carry):
-            plgpu.barrier_wait(in_free.at[lax.rem(i, stages)])
-            return carry
-
-        # every completed phase observed by its waiter (the interpreter checks it when the barrier goes away)
-        lax.fori_loop(jnp.maximum(count - stages, 0), count, drain, 0)
+        tiles.fill_ring(first, count, stages, in_free, issue)
 
     @pl.when(wg == _STATE)
     def _state():

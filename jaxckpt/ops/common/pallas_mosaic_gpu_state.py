@@ -180,13 +180,7 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        def refill(i, carry):
-            c, slot = first + i, lax.rem(i, stages)
-
-            @pl.when(i >= stages)
-            def _():
-                plgpu.barrier_wait(in_free.at[slot])  # both consumers are done with the slot's chunk i - stages
-
+        def issue(c, slot):
             bar = in_bar.at[slot]
             plgpu.copy_gmem_to_smem(w_ref.at[h, c], w_s.at[slot], bar)
             plgpu.copy_gmem_to_smem(u_ref.at[h, c, :, u_cols], u_s.at[slot], bar)
@@ -195,16 +189,8 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
             if not map_mode:
                 plgpu.copy_gmem_to_smem(qg_ref.at[h, c], s["qg_s"].at[slot], bar)
                 plgpu.copy_gmem_to_smem(aqk_ref.at[h, c], s["aqk_s"].at[slot], bar)
-            return carry
 
-        lax.fori_loop(0, count, refill, 0)
-
-        def drain(i, carry):
-            plgpu.barrier_wait(in_free.at[lax.rem(i, stages)])
-            return carry
-
-        # every completed phase observed by its waiter (the interpreter checks it when the barrier goes away)
-        lax.fori_loop(jnp.maximum(count - stages, 0), count, drain, 0)
+        tiles.fill_ring(first, count, stages, in_free, issue)
 
     @pl.when(wg == _STATE)
     def _state():

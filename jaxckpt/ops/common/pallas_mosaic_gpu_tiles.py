@@ -1,7 +1,7 @@
 """Pieces shared by the Pallas Mosaic GPU kernels (the intra passes `pallas_mosaic_gpu_intra` for GDN and
 `pallas_mosaic_gpu_kda_intra` for KDA, the state passes `pallas_mosaic_gpu_delta`, `pallas_mosaic_gpu_state`,
-`pallas_mosaic_gpu_gdn_fused`): SMEM tile layouts, WGMMA-layout index helpers, hi + lo operand splits and the wgmma
-product sums. Written against jax 0.11.2."""
+`pallas_mosaic_gpu_gdn_fused`, and SSD's `jaxckpt.ops.ssd.pallas_mosaic_gpu`): SMEM tile layouts, WGMMA-layout index
+helpers, hi + lo operand splits, the wgmma product sums and the TMA ring's producer loop. Written against jax 0.11.2."""
 
 from __future__ import annotations
 
@@ -75,6 +75,30 @@ def half_pairs(s):
     rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
     same = lax.div(rows, 2 * s) == lax.div(cols, 2 * s)
     return same & (lax.rem(rows, 2 * s) >= s) & (lax.rem(cols, 2 * s) < s)
+
+
+def fill_ring(first, count, stages, in_free, issue):
+    """The memory warpgroup's loop of a warp-specialized lane kernel: for the lane's chunks c = first + i, wait until
+    slot i % stages is free again (`in_free`: its consumers are done with chunk i - stages), then `issue(c, slot)`
+    its TMA copies; at the end observe the last frees too (every completed barrier phase must have a waiter: the
+    interpreter checks it when the barrier goes away)."""
+    def refill(i, carry):
+        slot = lax.rem(i, stages)
+
+        @pl.when(i >= stages)
+        def _():
+            plgpu.barrier_wait(in_free.at[slot])
+
+        issue(first + i, slot)
+        return carry
+
+    lax.fori_loop(0, count, refill, 0)
+
+    def drain(i, carry):
+        plgpu.barrier_wait(in_free.at[lax.rem(i, stages)])
+        return carry
+
+    lax.fori_loop(jnp.maximum(count - stages, 0), count, drain, 0)
 
 
 def interpret_params(interpret):

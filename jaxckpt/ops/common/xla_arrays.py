@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxckpt.plan.checks import ssd_dims
+from jaxckpt.plan.checks import check_dt_limit, check_ssd_state, ssd_dims
 
 FLOAT_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+# mamba_ssm's `_chunk_cumsum_fwd` returns dt itself above this threshold instead of softplus(dt).
+SOFTPLUS_THRESHOLD = 20.0
 
 
 def compute_dtype(dtype):
@@ -59,3 +61,21 @@ def check_ssd_inputs(x, dt, A, B, C, *, D=None, dt_bias=None, z=None):
     D, dt_bias, z = (None if a is None else check_float(a, name=n)
                      for a, n in ((D, "D"), (dt_bias, "dt_bias"), (z, "z")))
     return (x, dt, A, B, C, D, dt_bias, z), ssd_dims(x, dt, A, B, C, D=D, dt_bias=dt_bias, z=z)
+
+
+def ssd_delta(dt, dt_bias, dt_limit, dtype):
+    """SSD's step size [T, H] in `dtype`: clamp(softplus(dt + dt_bias), dt_limit), softplus as mamba_ssm's."""
+    limit = check_dt_limit(dt_limit)
+    raw = dt.astype(dtype) if dt_bias is None else dt.astype(dtype) + dt_bias.astype(dtype)
+    # the clamp inside keeps exp (and its gradient) finite on the branch that `where` discards
+    delta = jnp.where(raw > SOFTPLUS_THRESHOLD, raw, jnp.log1p(jnp.exp(jnp.minimum(raw, SOFTPLUS_THRESHOLD))))
+    return delta if limit is None else jnp.clip(delta, *limit)
+
+
+def ssd_initial_state(initial_state, dims, num_rows: int, state_layout: str, dtype):
+    """The checked initial states as [N, H, P, N_state] ("vk", the kernels' layout) in `dtype`, or None."""
+    if initial_state is None:
+        return None
+    init = check_float(initial_state, name="initial_state").astype(dtype)
+    check_ssd_state(init, dims, num_rows, state_layout)
+    return init.swapaxes(-1, -2) if state_layout == "kv" else init

@@ -80,8 +80,7 @@ from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
 from jaxckpt.ops.common.pallas_mosaic_gpu_delta import _is_hopper
 from jaxckpt.ops.common.pallas_mosaic_gpu_split import split_lanes
-from jaxckpt.ops.common.xla_arrays import check_float, check_ssd_inputs, packed_metadata
-from jaxckpt.plan.checks import check_dt_limit, check_ssd_state
+from jaxckpt.ops.common.xla_arrays import check_ssd_inputs, packed_metadata, ssd_delta, ssd_initial_state
 from jaxckpt.plan.conventions import check_state_layout
 from jaxckpt.plan.layout import chunk_layout, searchsorted
 
@@ -102,8 +101,6 @@ _COL = _WG.reduce(0)
 _SMEM_BYTES = 227 * 1024
 _PUBLISH = 2  # published S_hi slots
 _STATE, _OUTPUT = 0, 1
-# mamba_ssm's `_chunk_cumsum_fwd` returns dt itself above this threshold instead of softplus(dt).
-_SOFTPLUS_THRESHOLD = 20.0
 
 
 def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, cu_seqlens=None, **tuning) -> str | None:
@@ -228,13 +225,7 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        def refill(i, carry):
-            c, slot = first + i, lax.rem(i, stages)
-
-            @pl.when(i >= stages)
-            def _():
-                plgpu.barrier_wait(in_free.at[slot])  # the consumers are done with chunk i - stages
-
+        def issue(c, slot):
             bar, rows = in_bar.at[slot], pl.ds(start_ref[c], CHUNK)
             plgpu.copy_gmem_to_smem(x_ref.at[rows, h, cols], target["x"].at[slot], bar)
             for k in range(pieces):
@@ -244,15 +235,8 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                     plgpu.copy_gmem_to_smem(c_ref.at[rows, g, piece], target["c"].at[slot, k], bar)
             plgpu.copy_gmem_to_smem(acs_ref.at[h, c], acs_s.at[slot], bar)
             plgpu.copy_gmem_to_smem(delta_ref.at[h, c], delta_s.at[slot], bar)
-            return carry
 
-        lax.fori_loop(0, count, refill, 0)
-
-        def drain(i, carry):
-            plgpu.barrier_wait(in_free.at[lax.rem(i, stages)])
-            return carry
-
-        lax.fori_loop(jnp.maximum(count - stages, 0), count, drain, 0)
+        tiles.fill_ring(first, count, stages, in_free, issue)
 
     @pl.when(wg == _STATE)
     def _state():
@@ -524,10 +508,6 @@ def choose_pieces(num_rows, num_heads, head_p, num_tokens, *, num_sms=None) -> i
     return pieces
 
 
-def _softplus(v):
-    return jnp.where(v > _SOFTPLUS_THRESHOLD, v, jnp.log1p(jnp.exp(jnp.minimum(v, _SOFTPLUS_THRESHOLD))))
-
-
 def _piece_starts(lanes, acs, ends, init, num_rows, pieces):
     """Each lane's start state [N * pieces, H, P, N] from the state-only pass's end states of pieces 0 .. pieces-2
     (`ends` [N * (pieces - 1), H, P, N]) and the rows' initial states (`init` or None)."""
@@ -575,15 +555,10 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
         raise ValueError(reason)
     (x, dt, A, B, C, D, dt_bias, z), dims = check_ssd_inputs(x, dt, A, B, C, D=D, dt_bias=dt_bias, z=z)
     num_tokens, num_heads, head_p, num_groups, head_n = dims
-    limit = check_dt_limit(dt_limit)
     cu, ccu, offsets = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets, num_tokens)
     num_rows = cu.shape[0] - 1
     num_ckpt = offsets.shape[0]
-    init = None
-    if initial_state is not None:
-        init = check_float(initial_state, name="initial_state").astype(_F32)
-        check_ssd_state(init, dims, num_rows, state_layout)
-        init = init.swapaxes(-1, -2) if state_layout == "kv" else init
+    init = ssd_initial_state(initial_state, dims, num_rows, state_layout, _F32)
     tokens = x, B, C
     if num_tokens == 0 or interpret:
         # a chunk's TMA box may reach past the last token: the GPU fills those rows with zeros, the interpreter
@@ -592,10 +567,7 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     lay = chunk_layout(cu, ccu, offsets, chunk_size=CHUNK, num_tokens=tokens[0].shape[0], xp=jnp)
     num_chunks = lay.chunk_len.shape[0]
 
-    raw = dt.astype(_F32) if dt_bias is None else dt.astype(_F32) + dt_bias.astype(_F32)
-    delta = _softplus(raw)  # [T, H]
-    if limit is not None:
-        delta = jnp.clip(delta, *limit)
+    delta = ssd_delta(dt, dt_bias, dt_limit, _F32)  # [T, H]
     pos = jnp.arange(CHUNK, dtype=jnp.int32)
     token_ids = jnp.clip(lay.chunk_start[:, None] + pos, 0, max(num_tokens - 1, 0))  # i32[NC, C]
     in_chunk = (pos < lay.chunk_len[:, None])[None]  # bool[1, NC, C]

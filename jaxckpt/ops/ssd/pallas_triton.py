@@ -38,8 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxckpt.ops.common.pallas_triton_tiles import Dots, row_mask
-from jaxckpt.ops.common.xla_arrays import check_float, check_ssd_inputs, packed_metadata
-from jaxckpt.plan.checks import check_dt_limit, check_ssd_state
+from jaxckpt.ops.common.xla_arrays import check_ssd_inputs, packed_metadata, ssd_delta, ssd_initial_state
 from jaxckpt.plan.conventions import check_state_layout
 from jaxckpt.plan.layout import chunk_layout
 
@@ -51,8 +50,6 @@ _F32 = jnp.float32
 _NT = ((1,), (1,))  # a @ b^T
 _TN = ((0,), (0,))  # a^T @ b
 _NN = ((1,), (0,))  # a @ b
-# mamba_ssm's `_chunk_cumsum_fwd` returns dt itself above this threshold instead of softplus(dt).
-_SOFTPLUS_THRESHOLD = 20.0
 
 
 def _is_pow2(n: int) -> bool:
@@ -168,10 +165,6 @@ def _output_kernel(*refs, chunk, reps, has_D, has_z, dots):
                   mask=row_mask(rows, length, (chunk, head_dim)))
 
 
-def _softplus(v):
-    return jnp.where(v > _SOFTPLUS_THRESHOLD, v, jnp.log1p(jnp.exp(jnp.minimum(v, _SOFTPLUS_THRESHOLD))))
-
-
 def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_state=None, cu_seqlens=None,
         checkpoint_cu=None, checkpoint_offsets=None, state_layout="vk", chunk_size=64, interpret=False,
         num_warps=4, num_stages=2, state_block_p=16):
@@ -199,25 +192,17 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     (x, dt, A, B, C, D, dt_bias, z), dims = check_ssd_inputs(x, dt, A, B, C, D=D, dt_bias=dt_bias, z=z)
     num_tokens, num_heads, head_dim, num_groups, state_dim = dims
     reps = num_heads // num_groups
-    limit = check_dt_limit(dt_limit)
     cu, ccu, offsets = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets, num_tokens)
     num_rows = cu.shape[0] - 1
     num_ckpt = offsets.shape[0]
-    init = None
-    if initial_state is not None:
-        init = check_float(initial_state, name="initial_state").astype(_F32)
-        check_ssd_state(init, dims, num_rows, state_layout)
-        init = init.swapaxes(-1, -2) if state_layout == "kv" else init
+    init = ssd_initial_state(initial_state, dims, num_rows, state_layout, _F32)
     out_dtype = x.dtype
     io_dtype = jnp.promote_types(jnp.promote_types(x.dtype, B.dtype), C.dtype)
     io_dtype = _F32 if jnp.dtype(io_dtype).itemsize >= 4 else jnp.dtype(io_dtype)
     dots = Dots(io_dtype)
     chunk = chunk_size
 
-    raw = dt.astype(_F32) if dt_bias is None else dt.astype(_F32) + dt_bias.astype(_F32)
-    delta = _softplus(raw)  # [T, H]
-    if limit is not None:
-        delta = jnp.clip(delta, *limit)
+    delta = ssd_delta(dt, dt_bias, dt_limit, _F32)  # [T, H]
     if num_tokens == 0:
         # loads need a source row; a padding token past cu_seqlens[-1] = 0 is never read unmasked
         x, B, C, delta = (jnp.zeros((1, *a.shape[1:]), a.dtype) for a in (x, B, C, delta))

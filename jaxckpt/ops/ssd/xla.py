@@ -24,22 +24,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
-from jaxckpt.ops.common.xla_arrays import check_float, check_ssd_inputs, compute_dtype, packed_metadata
-from jaxckpt.plan.checks import check_dt_limit, check_ssd_state
+from jaxckpt.ops.common.xla_arrays import (check_ssd_inputs, compute_dtype, packed_metadata, ssd_delta,
+                                           ssd_initial_state)
 from jaxckpt.plan.conventions import check_positive, check_state_layout
 from jaxckpt.plan.layout import chunk_layout
 
 CHECKPOINT_METHODS = ("in_chunk", "forced_break")
 STATE_PASSES = ("associative", "sequential")
-# mamba_ssm's `_chunk_cumsum_fwd` returns dt itself above this threshold instead of softplus(dt).
-_SOFTPLUS_THRESHOLD = 20.0
-
-
-def _softplus(v):
-    # the clamp inside keeps exp (and its gradient) finite on the branch that `where` discards
-    return jnp.where(v > _SOFTPLUS_THRESHOLD, v, jnp.log1p(jnp.exp(jnp.minimum(v, _SOFTPLUS_THRESHOLD))))
-
-
 def _exp_masked(log_ratio, mask):
     """exp of decay log-ratios, masked BEFORE exponentiation so the unused (j > i) ratios cannot overflow."""
     return jnp.exp(jnp.where(mask, log_ratio, -jnp.inf))
@@ -76,16 +67,12 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     dot, state_dot = matmul_policy(x.dtype, B.dtype, C.dtype)
     if D is not None:
         D = D.astype(cdt).reshape(num_heads, -1)
-    limit = check_dt_limit(dt_limit)
     cu, ccu, offsets = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets, num_tokens)
     num_rows = cu.shape[0] - 1
-    if initial_state is None:
+    initial = ssd_initial_state(initial_state, dims, num_rows, state_layout, cdt)
+    if initial is None:
         initial = jnp.zeros((num_rows, num_heads, head_dim, state_dim), cdt)
-    else:
-        initial = check_float(initial_state, name="initial_state").astype(cdt)
-        check_ssd_state(initial, dims, num_rows, state_layout)
-        if state_layout == "kv":
-            initial = jnp.swapaxes(initial, -1, -2)
+    delta = ssd_delta(dt, dt_bias, dt_limit, cdt)  # [T, H]
 
     forced = checkpoint_method == "forced_break"
     layout = chunk_layout(cu, ccu, offsets, chunk_size=chunk_size, num_tokens=num_tokens, forced_breaks=forced,
@@ -101,10 +88,6 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
             return jnp.zeros((num_chunks, chunk_size) + array.shape[1:], cdt)
         return array[chunk_tokens].astype(cdt)
 
-    raw = dt.astype(cdt) if dt_bias is None else dt.astype(cdt) + dt_bias.astype(cdt)
-    delta = _softplus(raw)  # [T, H]
-    if limit is not None:
-        delta = jnp.clip(delta, *limit)
     # padding slots get delta = 0: no decay, no input, so they are no-ops for every state and cumsum
     delta_c = jnp.where(in_chunk[..., None], to_chunks(delta), 0)  # [NC, C, H]
     x_c = to_chunks(x)  # [NC, C, H, P]
