@@ -236,28 +236,6 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=Non
     return None
 
 
-def _matmuls(*products):
-    """For each (shape, pairs) in products: sum(a @ b for a, b in pairs) on the tensor cores, fp32 accumulators.
-
-    a [M, K] and b [K, N] are SMEM refs. Every wgmma is issued before the first accumulator is read, so independent
-    products overlap on the tensor cores. The optimization barrier keeps arithmetic on the results after the
-    accumulator reads: their wgmma wait has no data dependency on the registers, so LLVM could otherwise move uses
-    of stale registers before it.
-    """
-    def scoped(*accs):
-        for acc, (_, pairs) in zip(accs, products):
-            for a, b in pairs:
-                plgpu.wgmma(acc, a, b)
-        return tuple(acc[...] for acc in accs)
-
-    accs = [plgpu.ACC(shape, _F32) for shape, _ in products]
-    return lax.optimization_barrier(pl.run_scoped(scoped, *accs))
-
-
-def _matmul(shape, *pairs):
-    return _matmuls((shape, pairs))[0]
-
-
 def _split(x, hi_ref, lo_ref):
     """Stores x (fp32) as x_hi + x_lo, two tiles of the refs' 16-bit dtype."""
     hi = x.astype(hi_ref.dtype)
@@ -331,7 +309,7 @@ def _state_kernel(*refs, chunk, group, channel, has_initial, has_checkpoints):
             kr = jnp.where(before, k_c.astype(_F32) * jnp.exp(jnp.where(before, G_r - G_c, -jnp.inf)), 0.0)
             _split(kr, kr_hi, kr_lo)
             plgpu.commit_smem()
-            added = _matmul(state_shape, (kr_hi.T, vn_hi), (kr_hi.T, vn_lo), (kr_lo.T, vn_hi))
+            added = tiles.matmul(state_shape, ((kr_hi.T, vn_hi), (kr_hi.T, vn_lo), (kr_lo.T, vn_hi)))
             ckpt_ref.at[m, h, :, cols][...] = decay * S + added
             return carry
 
@@ -355,11 +333,11 @@ def _state_kernel(*refs, chunk, group, channel, has_initial, has_checkpoints):
             decay = tiles.by_row(jnp.exp(tiles.load(dec_s.at[slot], _ROW)), state_shape)  # G_last [K] per row of S
         else:
             decay = jnp.exp(dec_s[slot, chunk - 1])  # padded rows have g = 0: the last real token's G
-        v_new = u - _matmul((chunk, BLOCK_V), (w_s.at[slot], s_hi), (w_s.at[slot], s_lo))
+        v_new = u - tiles.matmul((chunk, BLOCK_V), ((w_s.at[slot], s_hi), (w_s.at[slot], s_lo)))
         _split(v_new, vn_hi, vn_lo)
         plgpu.commit_smem()
         kd_t = kd_s.at[slot].T  # [K, C]
-        o, added = _matmuls(((chunk, BLOCK_V), ((qg_s.at[slot], s_hi), (aqk_s.at[slot], vn_hi))),
+        o, added = tiles.matmuls(((chunk, BLOCK_V), ((qg_s.at[slot], s_hi), (aqk_s.at[slot], vn_hi))),
                             (state_shape, ((kd_t, vn_hi), (kd_t, vn_lo))))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's store has read o_s
         o_s[...] = o.astype(o_s.dtype)

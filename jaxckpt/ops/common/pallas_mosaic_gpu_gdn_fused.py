@@ -70,7 +70,7 @@ beta rows: 48.5 KB; fixed: published S^T_hi 2 x 16 KB, v_new_hi 2 x 8 KB, P 8 KB
 tiles 2 x 16 KB. 3 slots without checkpoints (210 KB), 2 with (194 KB); map_mode and K = 64 take 4 (`_stages`).
 
 Interpret mode (`interpret=True` or a `plgpu.InterpretGPUParams`): Mosaic GPU's interpreter reads a wgmma's A
-operand only from SMEM, so there every register operand takes a detour through a scratch tile (`_lhs`); its wgmma
+operand only from SMEM, so there every register operand takes a detour through a scratch tile (`tiles.lhs`); its wgmma
 is an fp32 matmul of the 16-bit tiles, so the interpreter checks the algorithm, not the tensor-core rounding.
 Supported: chunk 64, K and V in {64, 128}, q, k, v one 16-bit dtype, G and beta fp32.
 """
@@ -128,30 +128,6 @@ def supports(q, k, v, beta, *, interpret=False) -> str | None:
         if device.platform != "gpu" or getattr(device, "compute_capability", None) != "9.0":
             return f"backend: wgmma needs an sm_90 GPU (or interpret=True), got {device.device_kind!r}"
     return None
-
-
-def _lhs(x, detour):
-    """x (16-bit registers) as a wgmma A operand; under the interpreter (`detour` a scratch tile) through SMEM."""
-    if detour is None:
-        return x
-    detour[...] = x
-    plgpu.commit_smem()
-    return detour
-
-
-def _matmuls(*products, during=None):
-    """For each (shape, pairs): sum(a @ b for a, b in pairs) into an fp32 accumulator, all issued before the first
-    read; `during()` runs between the issue and the reads, overlapping the wgmmas. The optimization barrier keeps
-    arithmetic on the results after the accumulator reads (their wait has no data dependency on the registers)."""
-    def scoped(*accs):
-        for acc, (_, pairs) in zip(accs, products):
-            for a, b in pairs:
-                plgpu.wgmma(acc, a, b)
-        if during is not None:
-            during()
-        return tuple(acc[...] for acc in accs)
-
-    return lax.optimization_barrier(pl.run_scoped(scoped, *(plgpu.ACC(shape, _F32) for shape, _ in products)))
 
 
 def _decayed_lower(G_row, G_col, shape):
@@ -317,7 +293,7 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
             k_c = tiles.load(k_s.at[slot]).astype(_F32)  # [C, K]
             tile = (CHUNK, head_k)
             G_c = tiles.by_row(tiles.load(G_s.at[slot], _ROW), tile)
-            a_hi, a_lo = _lhs(vn_hi, detour("x_hi_d")), _lhs(vn_lo, detour("x_lo_d"))
+            a_hi, a_lo = tiles.lhs(vn_hi, detour("x_hi_d")), tiles.lhs(vn_lo, detour("x_lo_d"))
 
             def one(m, carry):
                 r = ck_pos_ref[m]
@@ -330,7 +306,7 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
                 kr_hi[...] = hi
                 kr_lo[...] = lo
                 plgpu.commit_smem()
-                (added,) = _matmuls((state_shape, ((a_hi, kr_hi), (a_lo, kr_hi), (a_hi, kr_lo))))
+                (added,) = tiles.matmuls((state_shape, ((a_hi, kr_hi), (a_lo, kr_hi), (a_hi, kr_lo))))
                 ckpt_ref.at[m, h, cols][...] = jnp.exp(G_r * inside) * S + added
                 return carry
 
@@ -358,14 +334,14 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
 
                 s["s_pub"].at[half][...] = s_hi
 
-            pairs = ((_lhs(s_hi, detour("s_hi_d")), k_t), (_lhs(s_lo, detour("s_lo_d")), k_t))
-            (ks,) = _matmuls(((BLOCK_V, CHUNK), pairs), during=None if map_mode else publish_state)  # (k S)^T
+            pairs = ((tiles.lhs(s_hi, detour("s_hi_d")), k_t), (tiles.lhs(s_lo, detour("s_lo_d")), k_t))
+            (ks,) = tiles.matmuls(((BLOCK_V, CHUNK), pairs), during=None if map_mode else publish_state)  # (k S)^T
             x = v_t - tiles.by_col(jnp.exp(G_col), ks.shape) * ks  # X^T [BV, C]
             x_hi, x_lo = tiles.split(x, dtype, 2)
             ag_t = ag_s.at[slot].T  # strictly lower Ag^T [C_j, C_i]
             diagonal = x * tiles.by_col(tiles.load(b_s.at[slot], _COL), x.shape)  # Ag's diagonal beta, in fp32
-            pairs = ((_lhs(x_hi, detour("x_hi_d")), ag_t), (_lhs(x_lo, detour("x_lo_d")), ag_t))
-            (v_new,) = _matmuls(((BLOCK_V, CHUNK), pairs))
+            pairs = ((tiles.lhs(x_hi, detour("x_hi_d")), ag_t), (tiles.lhs(x_lo, detour("x_lo_d")), ag_t))
+            (v_new,) = tiles.matmuls(((BLOCK_V, CHUNK), pairs))
             v_new = diagonal + v_new  # v_new^T [BV, C]
             vn_hi, vn_lo = tiles.split(v_new, dtype, 2)
             vd_hi, vd_lo = tiles.split(v_new * tiles.by_col(jnp.exp(G_last - G_col), v_new.shape), dtype, 2)
@@ -375,8 +351,8 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(s["s_ready"].at[half])
 
-            pairs = ((_lhs(vd_hi, detour("x_hi_d")), k_s.at[slot]), (_lhs(vd_lo, detour("x_lo_d")), k_s.at[slot]))
-            (added,) = _matmuls((state_shape, pairs), during=None if map_mode else publish_values)
+            pairs = ((tiles.lhs(vd_hi, detour("x_hi_d")), k_s.at[slot]), (tiles.lhs(vd_lo, detour("x_lo_d")), k_s.at[slot]))
+            (added,) = tiles.matmuls((state_shape, pairs), during=None if map_mode else publish_values)
             S_next = jnp.exp(G_last) * S + added
             if has_checkpoints:
                 @pl.when(has_ck)
@@ -436,11 +412,11 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
 
             G_row = tiles.load(G_s.at[slot], _ROW)
             decay = _decayed_lower(G_row, tiles.load(G_s.at[slot], _COL), sq)
-            (scores,) = _matmuls((sq, ((q_s.at[slot], k_s.at[slot].T),)))
+            (scores,) = tiles.matmuls((sq, ((q_s.at[slot], k_s.at[slot].T),)))
             p_s[...] = (scale * scores * decay).astype(dtype)  # decay is 0 above the diagonal
             plgpu.commit_smem()
             plgpu.barrier_wait(s["s_ready"].at[half])
-            qs, pv = _matmuls(((CHUNK, BLOCK_V), ((q_s.at[slot], s_pub.at[half].T),)),
+            qs, pv = tiles.matmuls(((CHUNK, BLOCK_V), ((q_s.at[slot], s_pub.at[half].T),)),
                               ((CHUNK, BLOCK_V), ((p_s, vn_pub.at[half]),)))
             plgpu.barrier_arrive(s["s_free"].at[half])
             plgpu.barrier_arrive(in_free.at[slot])

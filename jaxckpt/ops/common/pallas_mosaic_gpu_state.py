@@ -59,7 +59,7 @@ faster in 6 of 8 cases (KDA with 8 checkpoints per row at 8K: 0.452 vs 0.566 ms;
 CTA ends (the `drain` loops): the interpreter checks it when a barrier is deallocated.
 
 Interpret mode: Mosaic GPU's interpreter (jax 0.11.2) reads a wgmma's A operand only from SMEM, so under
-`interpret` every register operand takes a detour through a scratch tile (`_lhs`); the lowering (checked by
+`interpret` every register operand takes a detour through a scratch tile (`tiles.lhs`); the lowering (checked by
 `jax.export` for sm_90) uses registers. Its wgmma is an fp32 matmul of the 16-bit tiles, exact for the hi + lo
 products: the interpreter checks the algorithm, not the tensor-core rounding.
 """
@@ -98,32 +98,6 @@ class Checkpoints(NamedTuple):
     chunk_start: object      # i32[NC] packed index of each chunk's first token
     chunk_len: object        # i32[NC]
     G: object                # fp32 [HV, NC, C] (GDN) or [HV, NC, C, K] (KDA): chunk-local cumulative log decay
-
-
-def _lhs(x, detour):
-    """x (16-bit registers) as a wgmma A operand; under the interpreter (`detour` a scratch tile) through SMEM."""
-    if detour is None:
-        return x
-    detour[...] = x
-    plgpu.commit_smem()
-    return detour
-
-
-def _matmul(shape, pairs, during=None):
-    """sum(a @ b for a, b in pairs) on the tensor cores into an fp32 accumulator; `during()` runs between the issue
-    and the accumulator read, overlapping the wgmmas.
-
-    The optimization barrier keeps arithmetic on the result after the accumulator read: its wgmma wait has no data
-    dependency on the registers, so LLVM could otherwise move uses of stale registers before it.
-    """
-    def scoped(acc):
-        for a, b in pairs:
-            plgpu.wgmma(acc, a, b)
-        if during is not None:
-            during()
-        return acc[...]
-
-    return lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, _F32)))
 
 
 def _stages(head_k, dtype, *, map_mode, has_checkpoints, publish_slots, stages=None):
@@ -211,7 +185,7 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
             plgpu.barrier_wait(s["k_bar"])
             k_c = tiles.load(kr_hi)  # [C, K] 16-bit (half the registers of fp32); kr_hi is rewritten below
             tile = (chunk, head_k)
-            a_hi, a_lo = _lhs(vn_hi, detour("vn_hi_d")), _lhs(vn_lo, detour("vn_lo_d"))
+            a_hi, a_lo = tiles.lhs(vn_hi, detour("vn_hi_d")), tiles.lhs(vn_lo, detour("vn_lo_d"))
 
             def one(m, carry):
                 r = ck_pos_ref[m]
@@ -232,7 +206,7 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
                 kr_hi[...] = hi
                 kr_lo[...] = lo
                 plgpu.commit_smem()
-                added = _matmul(state_shape, ((a_hi, kr_hi), (a_lo, kr_hi), (a_hi, kr_lo)))
+                added = tiles.matmul(state_shape, ((a_hi, kr_hi), (a_lo, kr_hi), (a_hi, kr_lo)))
                 ckpt_ref.at[m, h, cols][...] = decay * S + added
                 return carry
 
@@ -274,8 +248,8 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
 
                 s["s_pub"].at[half][...] = s_hi
 
-            pairs = ((_lhs(s_hi, detour("s_hi_d")), w_t), (_lhs(s_lo, detour("s_lo_d")), w_t))
-            v_new = u_t - _matmul((BLOCK_V, chunk), pairs, None if map_mode else publish_state)  # v_new^T [BV, C]
+            pairs = ((tiles.lhs(s_hi, detour("s_hi_d")), w_t), (tiles.lhs(s_lo, detour("s_lo_d")), w_t))
+            v_new = u_t - tiles.matmul((BLOCK_V, chunk), pairs, None if map_mode else publish_state)  # v_new^T [BV, C]
             vn_hi, vn_lo = tiles.split(v_new, dtype, 2)
 
             def publish_values():
@@ -289,8 +263,8 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
                 def _():
                     checkpoints(c, slot, S, vn_hi, vn_lo)
 
-            pairs = ((_lhs(vn_hi, detour("vn_hi_d")), kd_s.at[slot]), (_lhs(vn_lo, detour("vn_lo_d")), kd_s.at[slot]))
-            S_next = decay * S + _matmul(state_shape, pairs, None if map_mode else publish_values)
+            pairs = ((tiles.lhs(vn_hi, detour("vn_hi_d")), kd_s.at[slot]), (tiles.lhs(vn_lo, detour("vn_lo_d")), kd_s.at[slot]))
+            S_next = decay * S + tiles.matmul(state_shape, pairs, None if map_mode else publish_values)
             plgpu.barrier_arrive(in_free.at[slot])
             return S_next, has_ck_next if has_checkpoints else has_ck
 
@@ -313,7 +287,7 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
                 c, slot, half = first + i, lax.rem(i, stages), lax.rem(i, publish_slots)
                 plgpu.barrier_wait(in_bar.at[slot])
                 plgpu.barrier_wait(s["s_ready"].at[half])
-                o = _matmul((chunk, BLOCK_V), ((s["qg_s"].at[slot], s_pub.at[half].T),
+                o = tiles.matmul((chunk, BLOCK_V), ((s["qg_s"].at[slot], s_pub.at[half].T),
                                                (s["aqk_s"].at[slot], vn_pub.at[half])))
                 plgpu.barrier_arrive(s["s_free"].at[half])
                 plgpu.barrier_arrive(in_free.at[slot])

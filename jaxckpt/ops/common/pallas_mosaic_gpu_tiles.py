@@ -70,6 +70,38 @@ def dots(*products):
     return lax.optimization_barrier(pl.run_scoped(body, *(plgpu.ACC(shape, F32) for *_, shape in products)))
 
 
+def lhs(x, detour):
+    """x (16-bit registers) as a wgmma A operand; under the interpreter (`detour` a scratch tile) through SMEM, the
+    only A operand Mosaic GPU's interpreter reads (jax 0.11.2)."""
+    if detour is None:
+        return x
+    detour[...] = x
+    plgpu.commit_smem()
+    return detour
+
+
+def matmuls(*products, during=None):
+    """For each (shape, pairs): sum(a @ b for a, b in pairs) on the tensor cores into its own fp32 accumulator, every
+    wgmma issued before the first read; `during()` runs between the issue and the reads, overlapping the wgmmas.
+
+    The optimization barrier keeps arithmetic on the results after the accumulator reads: their wgmma wait has no
+    data dependency on the registers, so LLVM could otherwise move uses of stale registers before it.
+    """
+    def scoped(*accs):
+        for acc, (_, pairs) in zip(accs, products):
+            for a, b in pairs:
+                plgpu.wgmma(acc, a, b)
+        if during is not None:
+            during()
+        return tuple(acc[...] for acc in accs)
+
+    return lax.optimization_barrier(pl.run_scoped(scoped, *(plgpu.ACC(shape, F32) for shape, _ in products)))
+
+
+def matmul(shape, pairs, during=None):
+    return matmuls((shape, pairs), during=during)[0]
+
+
 def half_pairs(s):
     """[C, C] mask of the pairs (i, j) in one 2s-row block with i in its lower half and j in its upper half."""
     rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)

@@ -148,30 +148,6 @@ def _stages(head_n, dtype, *, has_output, stages=None):
                      f"bytes of SMEM, more than {_SMEM_BYTES}")
 
 
-def _lhs(x, detour):
-    """x (16-bit registers) as a wgmma A operand; under the interpreter (`detour` a scratch tile) through SMEM."""
-    if detour is None:
-        return x
-    detour[...] = x
-    plgpu.commit_smem()
-    return detour
-
-
-def _matmuls(*products, during=None):
-    """For each (pairs, shape): sum(a @ b for a, b in pairs) into its own fp32 accumulator, all issued before the
-    first wait; `during()` runs between the issue and the reads. The optimization barrier keeps arithmetic on the
-    results after the accumulator reads (their wait has no data dependency on the registers)."""
-    def scoped(*accs):
-        for acc, (pairs, _) in zip(accs, products):
-            for a, b in pairs:
-                plgpu.wgmma(acc, a, b)
-        if during is not None:
-            during()
-        return tuple(acc[...] for acc in accs)
-
-    return lax.optimization_barrier(pl.run_scoped(scoped, *(plgpu.ACC(shape, _F32) for _, shape in products)))
-
-
 def _zero_rows(tile, length):
     """Rows >= length of an SMEM tile [C, 64] set to 0 (a select: NaN there stays out of the tensor-core products,
     where 0 * NaN would be NaN)."""
@@ -251,9 +227,9 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
         def update(S, decay, x_w, slot, during=None):
             """decay * S + (x_w) B, x_w = x^T with its token columns weighted, as hi + lo register operands."""
             hi, lo = tiles.split(x_w, dtype, 2)
-            a_hi, a_lo = _lhs(hi, detour("xw_hi_d")), _lhs(lo, detour("xw_lo_d"))
-            added = _matmuls(*((((a_hi, b_s.at[slot, k]), (a_lo, b_s.at[slot, k])), half_shape)
-                               for k in range(pieces)), during=during)
+            a_hi, a_lo = tiles.lhs(hi, detour("xw_hi_d")), tiles.lhs(lo, detour("xw_lo_d"))
+            added = tiles.matmuls(*((half_shape, ((a_hi, b_s.at[slot, k]), (a_lo, b_s.at[slot, k])))
+                                    for k in range(pieces)), during=during)
             return tuple(decay * S_k + a for S_k, a in zip(S, added))
 
         def checkpoints(c, slot, S, x_t, acs, delta):
@@ -348,7 +324,7 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                 def _():
                     _zero_rows(x_s.at[slot], length)  # P x: P's zero columns would not stop a NaN there
 
-                (scores,) = _matmuls((tuple((c_s.at[slot, k], b_s.at[slot, k].T) for k in range(pieces)), square))
+                scores = tiles.matmul(square, tuple((c_s.at[slot, k], b_s.at[slot, k].T) for k in range(pieces)))
                 acs_i = tiles.load(acs_s.at[slot], _ROW)
                 keep = below & (tiles.iota(square, 1) < length)
                 decay = jnp.exp(jnp.where(keep, tiles.by_row(acs_i, square)
@@ -356,9 +332,9 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                 weights = decay * tiles.by_col(tiles.load(delta_s.at[slot], _COL), square)
                 p = jnp.where(keep, scores * weights, 0.0).astype(dtype)
                 plgpu.barrier_wait(s["s_ready"].at[half])
-                inter, intra = _matmuls(
-                    (tuple((c_s.at[slot, k], s_pub.at[half, k].T) for k in range(pieces)), out_shape),
-                    (((_lhs(p, detour("p_d")), x_s.at[slot]),), out_shape))
+                inter, intra = tiles.matmuls(
+                    (out_shape, tuple((c_s.at[slot, k], s_pub.at[half, k].T) for k in range(pieces))),
+                    (out_shape, ((tiles.lhs(p, detour("p_d")), x_s.at[slot]),)))
                 plgpu.barrier_arrive(s["s_free"].at[half])
                 y = tiles.by_row(jnp.exp(acs_i), out_shape) * inter + intra
                 if has_D:
