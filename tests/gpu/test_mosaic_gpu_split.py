@@ -49,23 +49,29 @@ def long_row(request):
     return op, fn, (bf, g, beta, meta), expected, v1
 
 
+def long_row_failures(label, got, expected, v1, agree_tol):
+    """What is off in (o, final, checkpoints) against float64 and against state v1, printed as it goes; each
+    checkpoint on its own too (one on a piece boundary is that piece's start state, from the scan alone)."""
+    failures = []
+    for name, a, e, b in zip(("o", "final", "checkpoints"), got, expected, v1):
+        err, agree = rel_rms(a, e), rel_rms(a, b)
+        print(f"{label} {name}: rel-RMS {err:.2e} vs float64, {agree:.2e} vs state v1 (v1 vs float64 "
+              f"{rel_rms(b, e):.2e})")
+        if not (np.isfinite(np.asarray(a, np.float32)).all() and err < BF16_TOL and agree < agree_tol):
+            failures.append(f"{name}: {err:.2e} vs float64, {agree:.2e} vs v1")
+    for m, offset in enumerate(OFFSETS):
+        err = rel_rms(got[2][m], expected[2][m])
+        if not err < BF16_TOL:
+            failures.append(f"checkpoint at {offset}: {err:.2e} vs float64")
+    return failures
+
+
 @pytest.mark.parametrize("pieces", [1, 2, 4, "auto"])
 def test_long_row_pieces_against_float64_and_v1(long_row, pieces):
     op, fn, (bf, g, beta, meta), expected, v1 = long_row
     got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu",
              kernel_options={"intra": "mosaic_gpu", "state": "v2", "pieces": pieces})
-    failures = []
-    for name, a, e, b in zip(("o", "final", "checkpoints"), got, expected, v1):
-        err, agree = rel_rms(a, e), rel_rms(a, b)
-        print(f"{op} (1, {LENGTH}, 16) state v2 pieces={pieces} {name}: rel-RMS {err:.2e} vs float64, {agree:.2e} vs "
-              f"state v1 (v1 vs float64 {rel_rms(b, e):.2e})")
-        if not (np.isfinite(np.asarray(a, np.float32)).all() and err < BF16_TOL and agree < AGREE_TOL):
-            failures.append(f"{name}: {err:.2e} vs float64, {agree:.2e} vs v1")
-    # per checkpoint: one on a piece boundary is that piece's start state, from the scan alone
-    for m, offset in enumerate(OFFSETS):
-        err = rel_rms(got[2][m], expected[2][m])
-        if not err < BF16_TOL:
-            failures.append(f"checkpoint at {offset}: {err:.2e} vs float64")
+    failures = long_row_failures(f"{op} (1, {LENGTH}, 16) state v2 pieces={pieces}", got, expected, v1, AGREE_TOL)
     assert not failures, "\n".join(failures)
 
 
@@ -96,17 +102,8 @@ def test_long_row_state_fused_against_float64_and_v1(long_row, pieces):
         return
     got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu",
              kernel_options={"state": "fused", "pieces": pieces})
-    failures = []
-    for name, a, e, b in zip(("o", "final", "checkpoints"), got, expected, v1):
-        err, agree = rel_rms(a, e), rel_rms(a, b)
-        print(f"gdn (1, {LENGTH}, 16) state fused pieces={pieces} {name}: rel-RMS {err:.2e} vs float64, {agree:.2e} "
-              f"vs state v1 (v1 vs float64 {rel_rms(b, e):.2e})")
-        if not (np.isfinite(np.asarray(a, np.float32)).all() and err < BF16_TOL and agree < FUSED_AGREE_TOL):
-            failures.append(f"{name}: {err:.2e} vs float64, {agree:.2e} vs v1")
-    for m, offset in enumerate(OFFSETS):
-        err = rel_rms(got[2][m], expected[2][m])
-        if not err < BF16_TOL:
-            failures.append(f"checkpoint at {offset}: {err:.2e} vs float64")
+    failures = long_row_failures(f"gdn (1, {LENGTH}, 16) state fused pieces={pieces}", got, expected, v1,
+                                 FUSED_AGREE_TOL)
     assert not failures, "\n".join(failures)
 
 

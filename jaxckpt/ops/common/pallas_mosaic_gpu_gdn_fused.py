@@ -98,7 +98,6 @@ _F32 = jnp.float32
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
 _COL = _WG.reduce(0)  # one value per column
-_SMEM_BYTES = 227 * 1024
 _STATE, _OUTPUT, _MEMORY = 0, 1, 2  # warpgroup ids
 
 
@@ -222,10 +221,7 @@ def _stages(head_k, dtype, *, map_mode, has_checkpoints):
     fixed = 0 if map_mode else (2 * BLOCK_V * head_k + 2 * CHUNK * BLOCK_V + CHUNK * CHUNK + CHUNK * BLOCK_V) * size
     fixed += 2 * CHUNK * head_k * size if has_checkpoints else 0
     fixed += 2048  # barriers and alignment
-    for stages in (4, 3, 2):
-        if stages * per_stage + fixed <= _SMEM_BYTES:
-            return stages
-    raise ValueError(f"gdn_fused_lanes: K = {head_k} needs {2 * per_stage + fixed} bytes of SMEM")
+    return tiles.ring_depth(per_stage, fixed, what=f"of gdn_fused_lanes at K = {head_k}")
 
 
 def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoints, **s):

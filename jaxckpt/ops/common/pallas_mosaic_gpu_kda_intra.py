@@ -112,7 +112,7 @@ REFERENCES = ("shifted", "select")  # how levels s <= SHIFTED build R_s (`_refer
 LEVELS = (32, 16, 8, 4, 2, 1)  # half-block sizes s of the score split (module docstring, step 2)
 SHIFTED = 2  # with reference="shifted", levels s <= SHIFTED read R_s as row-shifted views of G
 ROW_PAD = 1  # rows of the untiled G copy before row 0 (the shifted views start up to 1 row early, end 2 late)
-SMEM_LIMIT = 227 * 1024  # sm_90's opt-in dynamic SMEM per CTA
+SMEM_LIMIT = tiles.SMEM_BYTES  # sm_90's opt-in dynamic SMEM per CTA
 SMEM_ALIGN = 1024  # what `plgpu.RefUnion` aligns every ref to (jax 0.11.2, `core.SMEM_ALIGNMENT`)
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16

@@ -84,7 +84,6 @@ _F32 = jnp.float32
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
 _COL = _WG.reduce(0)  # one value per column
-_SMEM_BYTES = 227 * 1024
 _STATE, _OUTPUT = 0, 1  # warpgroup ids; the memory warpgroup is the last one
 
 
@@ -103,18 +102,14 @@ class Checkpoints(NamedTuple):
 def _stages(head_k, dtype, *, map_mode, has_checkpoints, publish_slots, stages=None):
     """`stages`, or the deepest TMA ring (2 to 4 slots) that fits next to the fixed tiles."""
     size = jnp.dtype(dtype).itemsize
-    tiles = (2 * head_k + BLOCK_V) if map_mode else (3 * head_k + BLOCK_V + CHUNK)
-    per_stage = CHUNK * tiles * size + 4 * max(head_k, CHUNK)
+    columns = (2 * head_k + BLOCK_V) if map_mode else (3 * head_k + BLOCK_V + CHUNK)  # of the slot's tiles
+    per_stage = CHUNK * columns * size + 4 * max(head_k, CHUNK)
     fixed = 0
     if not map_mode:  # published tiles, O staging
         fixed = (publish_slots * (BLOCK_V * head_k + CHUNK * BLOCK_V) + CHUNK * BLOCK_V) * size
     fixed += 2 * CHUNK * head_k * size if has_checkpoints else 0
     fixed += 1024  # barriers and alignment
-    for depth in (4, 3, 2) if stages is None else (stages,):
-        if depth * per_stage + fixed <= _SMEM_BYTES:
-            return depth
-    raise ValueError(f"stages: {stages or 2} TMA slots at K = {head_k} need {(stages or 2) * per_stage + fixed} "
-                     f"bytes of SMEM, more than {_SMEM_BYTES}")
+    return tiles.ring_depth(per_stage, fixed, stages=stages, what=f"at K = {head_k}")
 
 
 def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode, has_init, has_checkpoints,

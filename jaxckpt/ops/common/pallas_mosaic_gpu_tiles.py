@@ -133,6 +133,20 @@ def fill_ring(first, count, stages, in_free, issue):
     lax.fori_loop(jnp.maximum(count - stages, 0), count, drain, 0)
 
 
+SMEM_BYTES = 227 * 1024  # per CTA on sm_90
+
+
+def ring_depth(per_stage, fixed, *, stages=None, what=""):
+    """`stages`, or the deepest TMA ring (4, 3, then 2 slots of `per_stage` bytes) that fits in SMEM beside `fixed`
+    bytes; ValueError naming `what` (the kernel's shape) when not even the asked or smallest ring fits."""
+    for depth in (4, 3, 2) if stages is None else (stages,):
+        if depth * per_stage + fixed <= SMEM_BYTES:
+            return depth
+    depth = stages or 2
+    raise ValueError(f"stages: {depth} TMA slots {what} need {depth * per_stage + fixed} bytes of SMEM, more than "
+                     f"{SMEM_BYTES}")
+
+
 def interpret_params(interpret):
     if interpret is True:
         return plgpu.InterpretGPUParams()

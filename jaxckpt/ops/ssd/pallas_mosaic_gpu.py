@@ -98,7 +98,6 @@ _F32 = jnp.float32
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)
 _COL = _WG.reduce(0)
-_SMEM_BYTES = 227 * 1024
 _PUBLISH = 2  # published S_hi slots
 _STATE, _OUTPUT = 0, 1
 
@@ -141,11 +140,7 @@ def _stages(head_n, dtype, *, has_output, stages=None):
     per_stage = CHUNK * (BLOCK_P + (2 if has_output else 1) * head_n) * size + 2 * 4 * CHUNK
     fixed = (_PUBLISH * BLOCK_P * head_n + 2 * CHUNK * BLOCK_P) * size if has_output else 0
     fixed += 1024  # barriers and alignment
-    for depth in (4, 3, 2) if stages is None else (stages,):
-        if depth * per_stage + fixed <= _SMEM_BYTES:
-            return depth
-    raise ValueError(f"stages: {stages or 2} TMA slots at N = {head_n} need {(stages or 2) * per_stage + fixed} "
-                     f"bytes of SMEM, more than {_SMEM_BYTES}")
+    return tiles.ring_depth(per_stage, fixed, stages=stages, what=f"at N = {head_n}")
 
 
 def _zero_rows(tile, length):
