@@ -264,8 +264,10 @@ def test_supports_sizes_the_launch_grids_from_the_rows():
 
 def test_defaults_run_the_lanes_pass_against_float64():
     """Left-out options: the lanes state pass with pieces from the shapes; GDN's Mosaic GPU intra, KDA's Triton one."""
-    assert mosaic_delta.default_tuning(per_channel_decay=False) == dict(intra="mosaic_gpu", state="v2", pieces="auto")
-    assert mosaic_delta.default_tuning(per_channel_decay=True) == dict(intra="pallas_triton", state="v2", pieces="auto")
+    assert mosaic_delta.default_tuning(per_channel_decay=False) == dict(intra="mosaic_gpu", state="v2", pieces="auto",
+                                                                            state_terms=2)
+    assert mosaic_delta.default_tuning(per_channel_decay=True) == dict(intra="pallas_triton", state="v2", pieces="auto",
+                                                                           state_terms=2)
     assert mosaic_delta.default_tuning(per_channel_decay=False, state="v1")["pieces"] == 1
     # the Mosaic GPU GDN intra's fp16 inverse relies on unit keys: without the op's normalization, the Triton one
     assert mosaic_delta.default_tuning(per_channel_decay=False, use_qk_l2norm=False)["intra"] == "pallas_triton"
@@ -279,3 +281,31 @@ def test_defaults_run_the_lanes_pass_against_float64():
     with pytest.raises(ValueError, match="state='fused' replaces"):
         mosaic_delta.delta_rule_mosaic(**arrays, per_channel_decay=False, interpret=True, state="fused",
                                        intra="pallas_triton")
+
+
+@pytest.mark.parametrize("state", ["v2", "fused"])
+def test_one_state_term_against_float64(state):
+    """state_terms=1 (one 16-bit term per product on the state chain, FLA's precision): still in the bf16 class
+    against float64, with the rows split into pieces; and really a different rounding from the hi + lo default."""
+    inputs, options = make_case(np.random.default_rng(), per_channel=False, layout="kv")
+    arrays = {name: jnp.asarray(x) for name, x in poisoned(inputs).items()}
+    given = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
+    call = lambda terms: [np.asarray(x, np.float32) for x in gdn_mosaic.gated_delta_rule(  # noqa: E731
+        **arrays, **given, interpret=True, state=state, pieces=2, state_terms=terms)]
+    one, two = call(1), call(2)
+    reference = gdn_reference.gated_delta_rule(**inputs, **options)
+    for name, a, r in zip(("o", "final_state", "checkpoint_states"), one, reference):
+        assert np.isfinite(a).all() and rel_rms(a, r) <= BF16_TOL, (name, rel_rms(a, r))
+    assert not one[0][CU_SEQLENS[-1]:].any()
+    # the lo halves' share: ~6e-4 of o and ~1e-4 of the checkpoints on this case (fp32 reordering: ~1e-7)
+    assert rel_rms(one[0], two[0]) > 1e-4 and rel_rms(one[2], two[2]) > 1e-5
+
+
+def test_state_terms_is_checked():
+    inputs, _ = make_case(np.random.default_rng(83), per_channel=False, layout="kv")
+    inputs = {name: jnp.asarray(x) for name, x in inputs.items()}
+    assert gdn_mosaic.supports(**inputs, interpret=True, state_terms=1) is None
+    assert "state_terms must be 1 or 2" in gdn_mosaic.supports(**inputs, interpret=True, state_terms=3)
+    assert "state_terms=1 needs" in gdn_mosaic.supports(**inputs, interpret=True, state="v1", state_terms=1)
+    with pytest.raises(ValueError, match="state_terms must be 1 or 2"):
+        mosaic_delta.delta_rule_mosaic(**inputs, per_channel_decay=False, interpret=True, state_terms=True)

@@ -99,7 +99,7 @@ INTRA = ("pallas_triton", "mosaic_gpu")
 MAX_PIECES = 64  # the piece scan is unrolled, and N * pieces lanes sit on one grid axis
 STATES = ("v1", "v2", "fused")
 TUNING_KEYS = ("intra", "intra_num_warps", "num_stages", "kda_intra", "kda_diag", "kda_block_k", "state", "pieces",
-               "kda_score_parts")
+               "kda_score_parts", "state_terms")
 _INTRA_TUNING = ("intra_num_warps", "num_stages", "kda_intra", "kda_diag", "kda_block_k")
 # state "fused" forms the intra products itself (`gdn_kkt` and the lanes loop); the cumsum launch keeps its tuning
 _NOT_FUSED = ("intra", "kda_intra", "kda_diag", "kda_block_k", "kda_score_parts")
@@ -125,12 +125,16 @@ def default_tuning(*, per_channel_decay, state=None, use_qk_l2norm=True):
     state = state or "v2"
     mosaic_intra_default = use_qk_l2norm and not per_channel_decay
     return dict(intra="mosaic_gpu" if mosaic_intra_default else "pallas_triton", state=state,
-                pieces=1 if state == "v1" else "auto")
+                pieces=1 if state == "v1" else "auto", state_terms=2)
 
 
-def _state_reason(state, pieces) -> str | None:
+def _state_reason(state, pieces, state_terms=2) -> str | None:
     if state not in STATES:
         return f"tuning: state must be one of {STATES}, got {state!r}"
+    if state_terms not in (1, 2) or isinstance(state_terms, bool):
+        return f"tuning: state_terms must be 1 or 2, got {state_terms!r}"
+    if state_terms != 2 and state == "v1":
+        return "tuning: state_terms=1 needs state='v2' or 'fused' (state='v1' always feeds hi + lo pairs)"
     if pieces != "auto" and (isinstance(pieces, bool) or not isinstance(pieces, (int, np.integer))
                              or not 1 <= pieces <= MAX_PIECES):
         return f"tuning: pieces must be an int in [1, {MAX_PIECES}] or 'auto', got {pieces!r}"
@@ -173,7 +177,8 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=Non
     intra = tuning.get("intra", defaults["intra"])
     if intra not in INTRA:
         return f"tuning: intra must be one of {INTRA}, got {tuning['intra']!r}"
-    reason = _state_reason(tuning.get("state", defaults["state"]), tuning.get("pieces", defaults["pieces"]))
+    reason = _state_reason(tuning.get("state", defaults["state"]), tuning.get("pieces", defaults["pieces"]),
+                           tuning.get("state_terms", defaults["state_terms"]))
     if reason is not None:
         return reason
     if tuning.get("state") == "fused":
@@ -432,7 +437,8 @@ def state_pass(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False
 def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm=False, initial_state=None,
                       cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
                       interpret=False, intra=None, intra_num_warps=4, num_stages=2, kda_intra="split",
-                      kda_diag="doubling", kda_block_k=None, state=None, pieces=None, kda_score_parts=None):
+                      kda_diag="doubling", kda_block_k=None, state=None, pieces=None, kda_score_parts=None,
+                      state_terms=None):
     """`pallas_triton_delta.delta_rule` with the Mosaic GPU state pass (module docstring); same arguments and results.
 
     q, k                # [T, H, K] 16-bit
@@ -455,7 +461,9 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     it replaces the intra pass, so `intra` and the KDA intra options are rejected with it, while intra_num_warps and
     num_stages still tune the cumsum launch); `pieces` (states "v2" and "fused"): each row cut into that many pieces
     run in parallel and joined exactly by their affine state maps (1: the plain pass over whole rows), or "auto" for
-    `pallas_mosaic_gpu_split.choose_pieces` (1 unless the plain pass leaves most SMs idle).
+    `pallas_mosaic_gpu_split.choose_pieces` (1 unless the plain pass leaves most SMs idle); `state_terms` (states "v2"
+    and "fused"): 2 feeds the state chain's products as 16-bit hi + lo pairs (default), 1 as one 16-bit term each,
+    FLA's and jla's precision, for a shorter chain.
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padding tokens and padded checkpoint entries are zeros.
@@ -469,9 +477,10 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     intra = defaults["intra"] if intra is None else intra
     state = defaults["state"]
     pieces = defaults["pieces"] if pieces is None else pieces
+    state_terms = defaults["state_terms"] if state_terms is None else state_terms
     if intra not in INTRA:
         raise ValueError(f"intra: must be one of {INTRA}, got {intra!r}")
-    reason = _state_reason(state, pieces)
+    reason = _state_reason(state, pieces, state_terms)
     if reason is not None:
         raise ValueError(reason)
     if state == "fused" and per_channel_decay:
@@ -496,7 +505,8 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
         raise ValueError(reason)
     if state == "fused":
         o_chunks, final_state, checkpoint_states = mosaic_split.fused_pass_split(p, init, pieces=pieces,
-                                                                                 interpret=interpret)
+                                                                                 interpret=interpret,
+                                                                                 state_terms=state_terms)
     else:
         if intra == "mosaic_gpu":
             intra_kernel = mosaic_kda_intra.kda_intra if per_channel_decay else mosaic_intra.gdn_intra
@@ -515,7 +525,8 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
                                                                   interpret=interpret)
         else:
             o_chunks, final_state, checkpoint_states = mosaic_split.state_pass_split(
-                p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel_decay, pieces=pieces, interpret=interpret)
+                p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel_decay, pieces=pieces, interpret=interpret,
+                state_terms=state_terms)
     lay = p.lay
     # tokens from their chunks' rows in one gather; padding tokens (pointing at chunk 0, maybe never written) and
     # padded CSR entries zeroed by a select

@@ -50,6 +50,8 @@ Kernels:
      to bf16 whole 0.8-2.3e-3 (T0 bf16 or fp16 alike), diagonal in fp32 and Ag_< in bf16 1.4e-5-6.9e-5, T0 in bf16
      with Ag exact 4e-5 (so T0 stays one 16-bit term); the unfused pipeline's bf16 W, U 1.9-2.4e-3. Dropping
      X_lo measured the same there (1.3e-5: Ag_< is small for uncorrelated keys) but is kept for correlated ones.
+     `state_terms=1` drops every lo half on the chain (S, X, the decayed v_new): one wgmma per product, as FLA's
+     and jla's kernels round the state and v_new to 16 bits; a shorter chain for states at their error class.
    - output (warpgroup 1): one chunk ahead of the state warpgroup it turns the ring's T0 into Ag in place (so Ag
      is off the state chain), then for the current chunk forms the scores P = scale tril(q k^T) exp(G_i - G_j),
      waits for the published S^T_hi and v_new_hi and computes O = scale exp(G) (q S_hi) + P v_new_hi (two
@@ -224,7 +226,7 @@ def _stages(head_k, dtype, *, map_mode, has_checkpoints):
     return tiles.ring_depth(per_stage, fixed, what=f"of gdn_fused_lanes at K = {head_k}")
 
 
-def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoints, **s):
+def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoints, terms, **s):
     refs = list(refs)
     take = lambda count: [refs.pop(0) for _ in range(count)]  # noqa: E731
     first_ref, count_ref, G_ref, beta_ref, t0_ref, k_ref, v_ref = take(7)
@@ -330,13 +332,13 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
 
                 s["s_pub"].at[half][...] = s_hi
 
-            pairs = ((tiles.lhs(s_hi, detour("s_hi_d")), k_t), (tiles.lhs(s_lo, detour("s_lo_d")), k_t))
+            pairs = ((tiles.lhs(s_hi, detour("s_hi_d")), k_t), (tiles.lhs(s_lo, detour("s_lo_d")), k_t))[:terms]
             (ks,) = tiles.matmuls(((BLOCK_V, CHUNK), pairs), during=None if map_mode else publish_state)  # (k S)^T
             x = v_t - tiles.by_col(jnp.exp(G_col), ks.shape) * ks  # X^T [BV, C]
             x_hi, x_lo = tiles.split(x, dtype, 2)
             ag_t = ag_s.at[slot].T  # strictly lower Ag^T [C_j, C_i]
             diagonal = x * tiles.by_col(tiles.load(b_s.at[slot], _COL), x.shape)  # Ag's diagonal beta, in fp32
-            pairs = ((tiles.lhs(x_hi, detour("x_hi_d")), ag_t), (tiles.lhs(x_lo, detour("x_lo_d")), ag_t))
+            pairs = ((tiles.lhs(x_hi, detour("x_hi_d")), ag_t), (tiles.lhs(x_lo, detour("x_lo_d")), ag_t))[:terms]
             (v_new,) = tiles.matmuls(((BLOCK_V, CHUNK), pairs))
             v_new = diagonal + v_new  # v_new^T [BV, C]
             vn_hi, vn_lo = tiles.split(v_new, dtype, 2)
@@ -347,7 +349,8 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(s["s_ready"].at[half])
 
-            pairs = ((tiles.lhs(vd_hi, detour("x_hi_d")), k_s.at[slot]), (tiles.lhs(vd_lo, detour("x_lo_d")), k_s.at[slot]))
+            pairs = ((tiles.lhs(vd_hi, detour("x_hi_d")), k_s.at[slot]),
+                     (tiles.lhs(vd_lo, detour("x_lo_d")), k_s.at[slot]))[:terms]
             (added,) = tiles.matmuls((state_shape, pairs), during=None if map_mode else publish_values)
             S_next = jnp.exp(G_last) * S + added
             if has_checkpoints:
@@ -432,7 +435,7 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
 
 
 def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, checkpoints=None, *, group, scale,
-                    map_mode=False, interpret=False):
+                    map_mode=False, interpret=False, state_terms=2):
     """The fused GDN state loop over L lanes (module docstring, kernel 2), on `gdn_kkt`'s outputs.
 
     lane_first, lane_count  # i32[L]: lane l walks chunks lane_first[l], ..., + lane_count[l] - 1 (count 0: end =
@@ -444,7 +447,9 @@ def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, che
     T0                      # [HV, NC, C, C] 16-bit: (I + strict_lower(beta_i k_i . k_j))^-1
     lane_init               # fp32 [L, HV, K, V] start states, or None (zeros)
     checkpoints             # `Checkpoints` or None
-    `group` = HV // H, `scale` a Python number. `interpret`: False (GPU), True or a `plgpu.InterpretGPUParams`.
+    `group` = HV // H, `scale` a Python number. `state_terms`: 2 (default) feeds the three products on the state
+    chain (k S, X Ag_<, the update) hi + lo, 1 as one 16-bit term each (FLA's and jla's precision, one wgmma per
+    product). `interpret`: False (GPU), True or a `plgpu.InterpretGPUParams`.
 
     Returns (o chunk-major [NC, C, HV, V] in the 16-bit dtype (chunks outside every lane and padding rows
     unspecified), lane_end fp32 [L, HV, K, V], checkpoint_states fp32 [max(M, 1), HV, K, V]) — the contract of
@@ -453,6 +458,8 @@ def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, che
     """
     if map_mode and (lane_init is not None or checkpoints is not None):
         raise ValueError("map_mode: lane_init and checkpoints must be None")
+    if state_terms not in (1, 2):
+        raise ValueError(f"state_terms: must be 1 or 2, got {state_terms!r}")
     num_v_heads, num_chunks, chunk_in, head_v = v.shape
     head_k = k.shape[-1]
     if chunk_in != CHUNK or head_k % BLOCK_V or head_v % BLOCK_V:
@@ -497,7 +504,7 @@ def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, che
                        x_hi_d=swz((BLOCK_V, CHUNK), dtype), x_lo_d=swz((BLOCK_V, CHUNK), dtype))
 
     body = functools.partial(_fused_kernel, group=group, scale=float(scale), stages=stages, map_mode=map_mode,
-                             has_init=has_init, has_checkpoints=has_checkpoints)
+                             has_init=has_init, has_checkpoints=has_checkpoints, terms=state_terms)
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type), scratch_types=scratch, grid=(num_lanes, num_v_heads, width // BLOCK_V),
         grid_names=("l", "h", "j"), num_threads=3, thread_name="wg",

@@ -156,7 +156,7 @@ def _split(lay, init, run_lanes, *, pieces):
     return o, final.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
 
 
-def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, interpret=False):
+def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, interpret=False, state_terms=2):
     """`pallas_mosaic_gpu_delta.state_pass` (same arguments and results) with each row cut into `pieces` lanes
     (module docstring), both passes on `pallas_mosaic_gpu_state.state_lanes`.
 
@@ -173,7 +173,7 @@ def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, i
     # states cross the lanes kernel transposed, its own layout: only the rows' initial and final states and the
     # checkpoints are transposed, not every lane's start and end state nor the maps
     options = dict(per_channel_decay=per_channel_decay, group=num_v_heads // p.q.shape[1], interpret=interpret,
-                   state_layout="vk")
+                   state_layout="vk", state_terms=state_terms)
     checkpoints = None
     if lay.checkpoint_pos.shape[0]:
         ck_start, ck_count = triton_delta._checkpoint_ranges(lay, num_chunks)
@@ -190,7 +190,7 @@ def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, i
     return _split(lay, init, run_lanes, pieces=pieces)
 
 
-def fused_pass_split(p, init, *, pieces, interpret=False):
+def fused_pass_split(p, init, *, pieces, interpret=False, state_terms=2):
     """`pallas_mosaic_gpu_gdn_fused.gdn_fused_pass` (same arguments and results) with each row cut into `pieces`
     lanes (module docstring, "The fused GDN pass"): `gdn_kkt` once, then both passes on `gdn_fused_lanes`.
 
@@ -208,7 +208,7 @@ def fused_pass_split(p, init, *, pieces, interpret=False):
         ck_start, ck_count = triton_delta._checkpoint_ranges(lay, lay.chunk_len.shape[0])
         checkpoints = gdn_fused.Checkpoints(ck_start, ck_count, lay.checkpoint_pos)
     lanes = functools.partial(gdn_fused.gdn_fused_lanes, q=q_c, k=k_c, v=v_c, beta=beta_c, G=p.G, T0=t0, group=group,
-                              scale=p.scale, interpret=interpret)
+                              scale=p.scale, interpret=interpret, state_terms=state_terms)
 
     def run_lanes(lane_first, lane_count, lane_init, *, map_mode):
         # gdn_fused_lanes speaks [.., K, V] states and [M | E] maps but transposes them to its own [.., V, K] at its

@@ -16,6 +16,8 @@ Design, per grid point (lane, value head, column block j of BV = 64 columns of S
       S^T    <- S^T d + v_new^T KD      (A = v_new^T registers, B = the kd tile [C, K]; KDA: d per key = per column)
   Precision as version 1 (its docstring has the measurement): S^T and v_new^T feed these products as 16-bit
   hi + lo pairs (x_hi = x rounded, x_lo = the rounding error rounded), two register-A wgmmas each, fp32 accumulators.
+  `state_terms=1` drops the lo halves: one wgmma per product, S and v_new rounded to 16 bits where they meet W and
+  KD, as FLA's and jla's kernels do (shorter chain, states at their error class, not below it).
 - Warp specialization (`num_threads=3`): warpgroup 2 (memory, registers lowered by `set_max_registers`) keeps a
   2- to 4-slot TMA ring of the chunk tiles (w, u[:, cols], kd, qg, aqk, the decays) full; warpgroup 0 (state) runs
   the chain above; warpgroup 1 (output) forms O = QG S_hi + AQK v_new_hi from S^T_hi and v_new^T_hi tiles the state
@@ -112,7 +114,7 @@ def _stages(head_k, dtype, *, map_mode, has_checkpoints, publish_slots, stages=N
     return tiles.ring_depth(per_stage, fixed, stages=stages, what=f"at K = {head_k}")
 
 
-def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode, has_init, has_checkpoints,
+def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode, has_init, has_checkpoints, terms,
                   **scratch):
     refs = list(refs)
     take = lambda count: [refs.pop(0) for _ in range(count)]  # noqa: E731
@@ -243,7 +245,7 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
 
                 s["s_pub"].at[half][...] = s_hi
 
-            pairs = ((tiles.lhs(s_hi, detour("s_hi_d")), w_t), (tiles.lhs(s_lo, detour("s_lo_d")), w_t))
+            pairs = ((tiles.lhs(s_hi, detour("s_hi_d")), w_t), (tiles.lhs(s_lo, detour("s_lo_d")), w_t))[:terms]
             v_new = u_t - tiles.matmul((BLOCK_V, chunk), pairs, None if map_mode else publish_state)  # v_new^T [BV, C]
             vn_hi, vn_lo = tiles.split(v_new, dtype, 2)
 
@@ -258,7 +260,8 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
                 def _():
                     checkpoints(c, slot, S, vn_hi, vn_lo)
 
-            pairs = ((tiles.lhs(vn_hi, detour("vn_hi_d")), kd_s.at[slot]), (tiles.lhs(vn_lo, detour("vn_lo_d")), kd_s.at[slot]))
+            pairs = ((tiles.lhs(vn_hi, detour("vn_hi_d")), kd_s.at[slot]),
+                     (tiles.lhs(vn_lo, detour("vn_lo_d")), kd_s.at[slot]))[:terms]
             S_next = decay * S + tiles.matmul(state_shape, pairs, None if map_mode else publish_values)
             plgpu.barrier_arrive(in_free.at[slot])
             return S_next, has_ck_next if has_checkpoints else has_ck
@@ -315,7 +318,7 @@ def _checkpoint_keys(checkpoints, num_ckpt, chunk):
 
 
 def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, checkpoints=None, *, per_channel_decay,
-                group, map_mode=False, interpret=False, state_layout="kv", stages=None, publish_slots=1):
+                group, map_mode=False, interpret=False, state_layout="kv", stages=None, publish_slots=1, state_terms=2):
     """The state pass over L lanes.
 
     lane_first, lane_count  # i32[L]: lane l walks chunks lane_first[l], ..., lane_first[l] + lane_count[l] - 1
@@ -340,7 +343,9 @@ def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ch
 
     state_layout="vk": lane_init and every returned state transposed ([.., V, K], map_mode [L, HV, K + V, K]), the
     kernel's own layout: no transposes around it. `stages` (None: the deepest of 4, 3, 2 that fits in SMEM) and
-    `publish_slots` (1 or 2) tune the kernel (module docstring). `interpret`: False (GPU), True (Mosaic GPU's
+    `publish_slots` (1 or 2) tune the kernel (module docstring). `state_terms`: 2 (default) feeds the two products on
+    the state chain (W S and KD^T v_new) as 16-bit hi + lo pairs, 1 as one 16-bit term each (FLA's and jla's
+    precision: one wgmma per product instead of two; module docstring). `interpret`: False (GPU), True (Mosaic GPU's
     interpreter) or a `plgpu.InterpretGPUParams` for it.
     """
     if state_layout not in ("kv", "vk"):
@@ -358,6 +363,8 @@ def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ch
     has_checkpoints = checkpoints is not None and checkpoints.checkpoint_pos.shape[0] > 0
     num_ckpt = checkpoints.checkpoint_pos.shape[0] if checkpoints is not None else 0
     has_init = lane_init is not None and not map_mode
+    if state_terms not in (1, 2):
+        raise ValueError(f"state_terms: must be 1 or 2, got {state_terms!r}")
     if publish_slots not in (1, 2):
         raise ValueError(f"publish_slots: must be 1 or 2, got {publish_slots!r}")
     stages = _stages(head_k, dtype, map_mode=map_mode, has_checkpoints=has_checkpoints, publish_slots=publish_slots,
@@ -401,7 +408,7 @@ def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ch
 
     body = functools.partial(_lanes_kernel, chunk=chunk, group=group, channel=channel, stages=stages,
                              publish_slots=publish_slots, map_mode=map_mode, has_init=has_init,
-                             has_checkpoints=has_checkpoints)
+                             has_checkpoints=has_checkpoints, terms=state_terms)
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type), scratch_types=scratch, grid=(num_lanes, num_v_heads, width // BLOCK_V),
         grid_names=("l", "h", "j"), num_threads=consumers + 1, thread_name="wg",
@@ -417,9 +424,10 @@ def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ch
     return o, kv(lane_end), kv(checkpoint_states)
 
 
-def state_pass_v2(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False, stages=None, publish_slots=1):
+def state_pass_v2(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False, stages=None, publish_slots=1,
+                  state_terms=2):
     """`pallas_mosaic_gpu_delta.state_pass` (same arguments and results) on `state_lanes`, one lane per row;
-    `stages`, `publish_slots` tune `state_lanes`."""
+    `stages`, `publish_slots`, `state_terms` tune `state_lanes`."""
     lay, chunk = p.lay, CHUNK
     num_chunks = w.shape[1]
     checkpoints = None
@@ -429,4 +437,4 @@ def state_pass_v2(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=Fa
     decays = p.G[:, :, chunk - 1, :] if per_channel_decay else p.G  # KDA: G_last [HV, NC, K]; GDN: G rows
     return state_lanes(lay.row_first_chunk, lay.row_num_chunks, decays, w, u, kd, qg, aqk, init, checkpoints,
                        per_channel_decay=per_channel_decay, group=w.shape[0] // p.q.shape[1], interpret=interpret,
-                       stages=stages, publish_slots=publish_slots)
+                       stages=stages, publish_slots=publish_slots, state_terms=state_terms)
