@@ -1,6 +1,8 @@
 """FLA 0.6.0's error on the shared bf16 vectors, beside ours: the measurement that settles the bf16 tolerance class.
 
-GPU: `python -m bench.fla_vectors_error` (writes fla_vectors_error.json under $OUT or bench/results). For every
+GPU: `python -m bench.fla_vectors_error [--impls xla "pallas_mosaic_gpu@state_terms=1" ...] [--name NAME]` (writes
+NAME.json, default fla_vectors_error.json, under $OUT or bench/results; `--impls` takes `bench.common`
+implementation specs, `impl@option=value,...`; the JAXCKPT_IMPLS variable, comma-separated names, still works). For every
 bf16 case of gdn and kda: FLA's chunk kernels on exactly the stored inputs (the KDA gate evaluated beforehand in
 float64 and fed as the log decay), checkpoints through FLA the only way it can give them (a prefix-only run per
 checkpoint), and jaxckpt's implementations on the same inputs; rel-RMS per tensor against the float64 expectations.
@@ -8,6 +10,7 @@ checkpoint), and jaxckpt's implementations on the same inputs; rel-RMS per tenso
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -71,16 +74,23 @@ def _fla_outputs(op, case):
     return out, final, ckpt
 
 
-def _ours(op, case, implementation):
+def _ours(op, case, spec):
+    from bench.common import implementation_spec
     from jaxckpt import ops
 
+    implementation, options = implementation_spec(spec)
     fn = ops.gated_delta_rule if op == "gdn" else ops.kda
-    return [np.asarray(x, np.float32) for x in fn(**case.arguments, implementation=implementation)]
+    return [np.asarray(x, np.float32) for x in fn(**case.arguments, implementation=implementation,
+                                                  kernel_options=options)]
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impls", nargs="+", default=os.environ.get("JAXCKPT_IMPLS", "xla").split(","))
+    parser.add_argument("--name", default="fla_vectors_error")
+    args = parser.parse_args(argv)
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-    implementations = os.environ.get("JAXCKPT_IMPLS", "xla").split(",")
+    implementations = args.impls
     results = {"tolerances": TOLERANCES, "cases": []}
     for op in ("gdn", "kda"):
         for case in load_cases(op):
@@ -97,7 +107,7 @@ def main():
             results["cases"].append(entry)
             print(json.dumps(entry), flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "fla_vectors_error.json").write_text(json.dumps(results, indent=1))
+    (out_dir / f"{args.name}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
