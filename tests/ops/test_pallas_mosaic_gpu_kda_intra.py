@@ -113,8 +113,8 @@ def fresh_interpreter():
 
 
 @pytest.mark.parametrize("dtype, num_heads, group, tuning", [
-    (jnp.bfloat16, 2, 1, {}),  # score_parts 1, the fp16 inverse, selected reference rows
-    (jnp.bfloat16, 2, 1, dict(reference="shifted")),
+    (jnp.bfloat16, 2, 1, {}),  # score_parts 1 in fp16, the fp16 inverse, selected reference rows
+    (jnp.bfloat16, 2, 1, dict(reference="shifted", score_dtype="input")),
     (jnp.bfloat16, 1, 2, dict(score_parts=2, inverse="split")),
     (jnp.float16, 1, 1, {}),
     (jnp.float32, 1, 2, {}),  # everything split
@@ -123,6 +123,18 @@ def test_matches_triton_and_float64(dtype, num_heads, group, tuning):
     seed = int(np.random.SeedSequence().entropy % 2 ** 32)
     outputs = run_all(seed, dtype, num_heads, group, 64, 64, **tuning)
     check_outputs(seed, dtype, *outputs[:4], tol=TOL[dtype])
+
+
+def test_fp16_score_operands_beat_bf16_ones():
+    """The same inputs with the score operands rounded to bf16 and to fp16 (the default): fp16's 3 more significand
+    bits must show in the query scores AQK against float64 (rounded to bf16 in both; W's error is its bf16
+    right-hand side's, not the scores')."""
+    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+    errors = {}
+    for score_dtype in ("input", "float16"):
+        mosaic, triton, exact, chunk_len, _ = run_all(seed, jnp.bfloat16, 2, 1, 64, 64, score_dtype=score_dtype)
+        errors[score_dtype] = check_outputs(seed, jnp.bfloat16, mosaic, triton, exact, chunk_len, TOL[jnp.bfloat16])
+    assert errors["float16"]["aqk"][0] < 0.85 * errors["input"]["aqk"][0], (seed, errors)
 
 
 def test_strong_decays_stay_exact():
@@ -148,6 +160,7 @@ def test_supports_reasons(monkeypatch):
     assert "dtype" in mki.supports(q.astype(jnp.int8), q, v, beta, G, interpret=True)
     assert "tuning" in mki.supports(q, q, v, beta, G, interpret=True, block_v=64)
     assert "score_parts" in mki.supports(q, q, v, beta, G, interpret=True, score_parts=3)
+    assert "score_dtype" in mki.supports(q, q, v, beta, G, interpret=True, score_dtype="bfloat16")
     assert "inverse" in mki.supports(q, q, v, beta, G, interpret=True, inverse="f32")
     assert "reference" in mki.supports(q, q, v, beta, G, interpret=True, reference="gather")
     q32, v32 = jnp.zeros((8, 2, 64)), jnp.zeros((8, 4, 64))

@@ -76,9 +76,14 @@ Per chunk c and value head h:
 Exps are ex2.approx (`approx_math`: one MUFU op and a multiply, as the Triton kernels' exp2) rather than libdevice's
 expf; denormal results flush to 0, an underflow as above.
 
-Precision. 16-bit inputs: the score operands X, Y are rounded to the input dtype (`score_parts=1`, the default:
-one wgmma per slab product, ~2^-9 relative per operand, as jla's KDA kernels; the Triton kernel's TF32 scores carry
-~2^-11) or split (`score_parts=2`: hi.hi + hi.lo + lo.hi, ~2^-16); W and U use 16-bit right-hand sides (as FLA;
+Precision. 16-bit inputs: the score operands X, Y are rounded once to fp16 (`score_parts=1`, `score_dtype="float16"`,
+the defaults: one wgmma per slab product, ~2^-12 relative per operand, the class of the Triton kernel's TF32 scores),
+to the input dtype (`score_dtype="input"`: ~2^-9 for bf16, as jla's KDA kernels) or split (`score_parts=2`: hi.hi +
+hi.lo + lo.hi, ~2^-16 with bf16 parts). fp16 has the range for it: every factor of E_s is exp(x <= 0) <= 1, so
+|X| <= |k| and |Y| <= |q| (unit vectors when the op normalizes q and k, as the layers call it; any |q|, |k| below
+fp16's 65504 stays finite), and a factor that falls below fp16's normal range (6e-5) keeps an absolute error of at
+most 2^-25, next to scores of unit vectors; on the H200 parity problem bf16 operands gave KDA's output 4.10e-3
+rel-RMS against float64 and split ones 3.66e-3 (FLA 3.67e-3), at twice the score time (`bench/README.md`); W and U use 16-bit right-hand sides (as FLA;
 the Triton kernel's are TF32) and T rounded once to the input dtype (fp16 inverse) or split (split inverse);
 outputs are rounded to the input dtype. Measured in the interpreter (bf16, K = V = 64, rel-RMS vs float64): W, U
 ~2.3e-3 with either inverse (Triton 1.6e-3), AQK 2.5e-3 with score_parts 1 and 1.6e-3 with 2 (Triton 1.6e-3, the
@@ -106,7 +111,8 @@ from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
 SLAB = 32  # columns per landing piece and per elementwise slab: [C, 32] fp32 is 16 registers per thread
-TUNING_KEYS = ("score_parts", "inverse", "reference")
+TUNING_KEYS = ("score_parts", "score_dtype", "inverse", "reference")
+SCORE_DTYPES = ("input", "float16")
 INVERSES = ("f16", "split")
 REFERENCES = ("shifted", "select")  # how levels s <= SHIFTED build R_s (`_reference`)
 LEVELS = (32, 16, 8, 4, 2, 1)  # half-block sizes s of the score split (module docstring, step 2)
@@ -122,10 +128,11 @@ _COLS = _WG.reduce(0)  # one value per column
 
 
 def default_tuning(io_dtype):
-    """The options `kda_intra` takes when not given: score operands in the input dtype and the fp16 inverse for
-    16-bit inputs; fp32 inputs split everything."""
+    """The options `kda_intra` takes when not given: fp16 score operands and the fp16 inverse for 16-bit inputs;
+    fp32 inputs split everything."""
     fp32 = jnp.dtype(io_dtype) == _F32
-    return dict(score_parts=2 if fp32 else 1, inverse="split" if fp32 else "f16", reference="select")
+    return dict(score_parts=2 if fp32 else 1, score_dtype="input" if fp32 else "float16",
+                inverse="split" if fp32 else "f16", reference="select")
 
 
 def _landing(width, dtype):
@@ -135,15 +142,16 @@ def _landing(width, dtype):
     return plgpu.SMEM((width // SLAB, CHUNK, SLAB), dtype, transforms=(plgpu.SwizzleTransform(SLAB * itemsize),))
 
 
-def _smem_groups(head_k, head_v, io_dtype, score_parts, inverse):
+def _smem_groups(head_k, head_v, io_dtype, score_parts, inverse, score_dtype="input"):
     """(persistent refs, score-phase group, solve-phase group): the SMEM scratch of one CTA."""
     fp32 = io_dtype == _F32
     op_dtype, parts = (_BF16, 2) if fp32 else (io_dtype, 1)
+    score_op = jnp.float16 if score_dtype == "float16" else op_dtype
     inv_dtype, inv_parts = (_BF16, 2) if inverse == "split" else (jnp.float16, 1)
     persistent = [plgpu.SMEM((CHUNK,), _F32), _landing(head_k, io_dtype), _landing(head_k, io_dtype)]  # beta, q, k
     scores = [_landing(head_k, _F32), plgpu.SMEM((ROW_PAD + CHUNK + SHIFTED, head_k), _F32),  # G: pieces, untiled
-              tiles.swizzled((score_parts, CHUNK, SLAB), op_dtype),  # X and Y, one slab
-              tiles.swizzled((score_parts, CHUNK, SLAB), op_dtype)]
+              tiles.swizzled((score_parts, CHUNK, SLAB), score_op),  # X and Y, one slab
+              tiles.swizzled((score_parts, CHUNK, SLAB), score_op)]
     solve = [tiles.swizzled((CHUNK, CHUNK), io_dtype), _landing(head_v, io_dtype),  # AQK staging (then T), v
              tiles.swizzled((parts, CHUNK, head_k), op_dtype), tiles.swizzled((parts, CHUNK, head_v), op_dtype),
              tiles.swizzled((inv_parts, CHUNK, CHUNK), inv_dtype), tiles.swizzled((inv_parts, CHUNK, CHUNK), inv_dtype)]
@@ -177,6 +185,9 @@ def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str
         return f"tuning: score_parts must be 1 or 2 (2 for fp32 inputs), got {score_parts!r}"
     if inverse not in INVERSES or (fp32 and inverse != "split"):
         return f"tuning: inverse must be one of {INVERSES} ('split' for fp32 inputs), got {inverse!r}"
+    if tuning["score_dtype"] not in SCORE_DTYPES or (fp32 and tuning["score_dtype"] != "input"):
+        return (f"tuning: score_dtype must be one of {SCORE_DTYPES} ('input' for fp32 inputs), got "
+                f"{tuning['score_dtype']!r}")
     if tuning["reference"] not in REFERENCES:
         return f"tuning: reference must be one of {REFERENCES}, got {tuning['reference']!r}"
     smem = _smem_bytes(q.shape[-1], v.shape[-1], io_dtype, score_parts, inverse)
@@ -411,7 +422,8 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     G                       # fp32 [HV, NC, C, K]: chunk-local inclusive cumsum of the log decay (`prepare`)
     `group` = HV // H, `scale` a Python number. `interpret`: True (or an `InterpretGPUParams`) runs Mosaic GPU's
     interpreter on CPU. Tuning (`TUNING_KEYS`, module docstring; each left out takes `default_tuning`'s value):
-    `score_parts` (1 or 2: the score operands rounded to the input dtype or split; 2 for fp32 inputs), `inverse`
+    `score_parts` (1 or 2: the score operands rounded once or split; 2 for fp32 inputs), `score_dtype` ("float16",
+    the default for 16-bit inputs, or "input": the 16-bit type of the score operands; "input" for fp32), `inverse`
     ("f16" or "split"; "split" for fp32 inputs) and `reference` ("shifted" or "select": how the finest score levels
     build their reference rows).
 
@@ -430,7 +442,8 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
 
     beta_c = tiles.chunk_major_beta(chunk_start, chunk_len, beta, chunk=chunk)  # fp32 [HV, NC, C]
 
-    persistent, scores, solve = _smem_groups(head_k, head_v, io_dtype, tuning["score_parts"], tuning["inverse"])
+    persistent, scores, solve = _smem_groups(head_k, head_v, io_dtype, tuning["score_parts"], tuning["inverse"],
+                                             tuning["score_dtype"])
     chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), io_dtype)
     kernel = plgpu.kernel(
         functools.partial(_kda_intra_kernel, group=group, scale=float(scale), parts=2 if fp32 else 1,
