@@ -118,7 +118,9 @@ def main(argv=None):
                 if baseline is None:
                     baseline = out
                 elif name == "fused gdn_fused_pass":
-                    o_a, o_b = (np.asarray(jnp.asarray(x[0], jnp.float32))[rows] for x in (out, baseline))
+                    # the fused pass's o is in token order, v1's chunk-major
+                    o_a = np.asarray(jnp.asarray(out[0], jnp.float32))[token_valid]
+                    o_b = np.asarray(jnp.asarray(baseline[0], jnp.float32))[rows]
                     note = (f"\n    vs unfused v1 max-rel: o {max_rel(o_a, o_b):.1e} final "
                             f"{max_rel(out[1], baseline[1]):.1e} ckpt "
                             f"{max_rel(*(np.asarray(x[2])[:ck_valid.size][ck_valid] for x in (out, baseline))):.1e}")

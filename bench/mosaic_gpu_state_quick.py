@@ -93,7 +93,7 @@ def main(argv=None):
                     return jax.jit(lambda arrays, *rest: fn(arrays._replace(io_dtype=p.io_dtype, scale=p.scale), *rest))
 
                 def map_pass(p, w, u, kd, qg, aqk, init):
-                    return mgs.state_lanes(p.lay.row_first_chunk, p.lay.row_num_chunks,
+                    return mgs.state_lanes(p.lay.row_first_chunk, p.lay.row_num_chunks, None, None,
                                            p.G[:, :, 63, :] if channel else p.G, w, u, kd, None, None, None,
                                            per_channel_decay=channel, group=1, map_mode=True,
                                            interpret=args.interpret)
@@ -119,7 +119,9 @@ def main(argv=None):
                     if name.startswith("v1"):
                         baseline = out
                     elif name != "v2 map_mode":
-                        o_a, o_b = (np.asarray(jnp.asarray(x[0], jnp.float32))[rows] for x in (out, baseline))
+                        # v2's o is in token order, v1's chunk-major
+                        o_a = np.asarray(jnp.asarray(out[0], jnp.float32))[token_valid]
+                        o_b = np.asarray(jnp.asarray(baseline[0], jnp.float32))[rows]
                         note = (f"  vs v1 max-rel: o {max_rel(o_a, o_b):.1e} final {max_rel(out[1], baseline[1]):.1e}"
                                 f" ckpt {max_rel(np.asarray(out[2])[ck_valid], np.asarray(baseline[2])[ck_valid]):.1e}")
                     print(f"{label} {name:26s} wall {wall:8.3f} ms  device {device_ms:8.3f} ms [{named}]{note}",

@@ -63,15 +63,17 @@ def run(pipeline, x, meta, init):
                                  chunk_size=64, interpret=False)
         lay = p.lay
         if pipeline == "fused":
-            o_chunks, final, ckpts = fused.gdn_fused_pass(p, init)
+            o, final, ckpts = fused.gdn_fused_pass(p, init)  # token order, padding tokens zero
         else:
             tiles = mgi.gdn_intra(lay.chunk_start, lay.chunk_len, p.q, p.k, p.v, p.beta, p.G, chunk=64,
                                   group=p.v.shape[1] // p.q.shape[1], scale=p.scale)
-            o_chunks, final, ckpts = mgd.state_pass(p, *tiles, init, per_channel_decay=False)
-        o = o_chunks.reshape(-1, *o_chunks.shape[2:])[lay.token_chunk * 64 + lay.token_pos].astype(jnp.float32)
-        return o, final, ckpts[:lay.checkpoint_pos.shape[0]], lay.token_valid, lay.checkpoint_valid
+            o_chunks, final, ckpts = mgd.state_pass(p, *tiles, init, per_channel_decay=False)  # chunk-major
+            o = o_chunks.reshape(-1, *o_chunks.shape[2:])[lay.token_chunk * 64 + lay.token_pos]
+        return o.astype(jnp.float32), final, ckpts[:lay.checkpoint_pos.shape[0]], lay.token_valid, lay.checkpoint_valid
 
     o, final, ckpts, token_valid, checkpoint_valid = jax.device_get(call(x, jnp.asarray(init)))
+    if pipeline == "fused":
+        np.testing.assert_array_equal(o[~token_valid], 0, err_msg="padding tokens")
     return [o[token_valid], final, ckpts[checkpoint_valid]]
 
 
@@ -143,8 +145,8 @@ def test_map_mode_matches_plain_lanes():
     # the first row, the second row's first three chunks and its partial last one
     first, count = jnp.array([0, 1, 3, 64, 87], jnp.int32), jnp.array([1, 2, 3, 3, 1], jnp.int32)
     lane_init = jnp.asarray(np.concatenate([init[:1], init[:1], init[:1], init[1:], init[1:]]))
-    common = (first, count, q_c, k_c, v_c, beta_c, p.G, t0)
-    _, ends, _ = fused.gdn_fused_lanes(*common, lane_init, group=2, scale=p.scale)
+    common = (first, count, lay.chunk_start, lay.chunk_len, q_c, k_c, v_c, beta_c, p.G, t0)
+    _, ends, _ = fused.gdn_fused_lanes(*common, lane_init, group=2, scale=p.scale, num_tokens=p.q.shape[0])
     maps = fused.gdn_fused_lanes(*common, None, group=2, scale=p.scale, map_mode=True)
     ends, maps, lane_init = (np.asarray(a, np.float64) for a in jax.device_get((ends, maps, lane_init)))
     K = lane_init.shape[-2]

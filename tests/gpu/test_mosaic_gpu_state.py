@@ -60,7 +60,7 @@ def test_lanes_against_float64(channel, tuning):
     plain = run_lanes(tiles, decays, lane_init, None, channel=channel, group=GROUP, case=case, interpret=False,
                       **tuning)
     expected = reference(tiles, decays, lane_init, ck, channel=channel, group=GROUP, lane_first=case["lane_first"],
-                         lane_count=case["lane_count"])
+                         lane_count=case["lane_count"], num_tokens=case["num_tokens"])
     inside = np.isfinite(expected[0])
     np.testing.assert_array_equal(plain[0][inside], actual[0][inside])  # checkpoints leave the carried S alone
     np.testing.assert_array_equal(plain[1], actual[1])
@@ -78,8 +78,8 @@ def test_map_mode_against_float64(channel):
 
     seed, case = 20261140 + channel, real_case()
     tiles, decays, _, _ = make_tiles(seed, channel=channel, case=case, num_v_heads=HV, group=GROUP, K=D, V=D)
-    args = [jnp.asarray(x) for x in (case["lane_first"], case["lane_count"], decays, tiles["w"], tiles["u"],
-                                     tiles["kd"])]
+    args = [jnp.asarray(x) for x in (case["lane_first"], case["lane_count"])] + [None, None]
+    args += [jnp.asarray(x) for x in (decays, tiles["w"], tiles["u"], tiles["kd"])]
     maps = np.asarray(mgs.state_lanes(*args, None, None, None, per_channel_decay=channel, group=GROUP,
                                       map_mode=True))
     expected = reference_maps(tiles, decays, channel=channel, first=case["lane_first"], count=case["lane_count"])
@@ -119,12 +119,17 @@ def test_state_pass_v2_against_version_1_and_float64(channel):
     names = ("w", "u", "kd", "qg", "aqk")
     expected = reference({n: np.asarray(t, np.float32) for n, t in zip(names, tiles)},
                          G[:, :, C - 1] if channel else G, np.asarray(init), ck, channel=channel, group=GROUP,
-                         lane_first=np.asarray(lay.row_first_chunk), lane_count=np.asarray(lay.row_num_chunks))
-    picks = (lambda o: np.asarray(o, np.float64)[rows], lambda s: np.asarray(s, np.float64),
-             lambda c: np.asarray(c, np.float64)[ck_valid])
-    for name, pick, a, b, e, tol in zip(("o", "final", "checkpoints"), picks, v2, v1, expected,
-                                        (O_TOL, STATE_TOL, STATE_TOL)):
-        a, b, e = pick(jnp.asarray(a, jnp.float32)), pick(jnp.asarray(b, jnp.float32)), pick(e)
+                         lane_first=np.asarray(lay.row_first_chunk), lane_count=np.asarray(lay.row_num_chunks),
+                         num_tokens=p.q.shape[0])
+    # v2 and the reference in token order (v2's padding tokens exactly zero), v1 chunk-major
+    o_v2 = np.asarray(jnp.asarray(v2[0], jnp.float32))
+    np.testing.assert_array_equal(o_v2[~valid], 0)
+    tokens = lambda o: np.asarray(o, np.float64)[valid]  # noqa: E731
+    picks = ((tokens, lambda o: np.asarray(o, np.float64)[rows], tokens),
+             (lambda s: np.asarray(s, np.float64),) * 3, (lambda c: np.asarray(c, np.float64)[ck_valid],) * 3)
+    for name, (pick_a, pick_b, pick_e), a, b, e, tol in zip(("o", "final", "checkpoints"), picks, v2, v1, expected,
+                                                             (O_TOL, STATE_TOL, STATE_TOL)):
+        a, b, e = pick_a(jnp.asarray(a, jnp.float32)), pick_b(jnp.asarray(b, jnp.float32)), pick_e(e)
         print(f"{'kda' if channel else 'gdn'} {name}: rel-RMS v2 vs float64 {rel_rms(a, e):.2e}, v1 vs float64 "
               f"{rel_rms(b, e):.2e}, v2 vs v1 {rel_rms(a, b):.2e}")
         assert np.isfinite(a).all(), name

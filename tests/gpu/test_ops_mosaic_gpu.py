@@ -96,3 +96,40 @@ def test_checkpoints_leave_outputs_bitwise_unchanged(op, rows):
     with_checkpoints, without = calls.values()
     np.testing.assert_array_equal(np.asarray(with_checkpoints[0]), np.asarray(without[0]))
     np.testing.assert_array_equal(np.asarray(with_checkpoints[1]), np.asarray(without[1]))
+
+
+@pytest.mark.parametrize("pieces", [1, 2])
+@pytest.mark.parametrize("op, state", [("gdn", "v2"), ("gdn", "fused"), ("kda", "v2")])
+def test_token_layout_output_with_nan_padding(op, state, pieces):
+    # the lanes kernels store O straight into the token layout: whole chunks at rows off the 8-row grid (starts 37,
+    # 1537, 1538) through the untiled staging view, partial last chunks as 32, ..., 1-row boxes, then 75 padding
+    # tokens holding NaN zeroed by the extra lane (one 64-row box and 11 rows); token by token against the Triton
+    # pipeline, the padding exactly zero
+    from jaxckpt.ops.common.pallas_mosaic_gpu_delta import _is_hopper
+    from tests.gpu.mosaic_cases import delta_inputs
+
+    if not _is_hopper():
+        pytest.skip("needs a Hopper GPU")
+    lengths, offsets, padding = (37, 1500, 1, 551), ((1, 36), (1, 64, 100, 640, 1499), (), (64, 500, 550)), 75
+    num_real = sum(lengths)
+    bf, g, beta, h0 = delta_inputs(op, np.random.default_rng(8), num_real + padding, len(lengths), heads=4)
+    bf = [a.at[num_real:].set(np.nan) for a in bf]
+    g[num_real:], beta[num_real:] = np.nan, np.nan
+    meta = dict(cu_seqlens=np.cumsum([0, *lengths]).astype(np.int32),
+                checkpoint_cu=np.cumsum([0, *map(len, offsets)]).astype(np.int32),
+                checkpoint_offsets=np.concatenate(offsets).astype(np.int32), initial_state=h0)
+    fn = entries(op)[0]
+    got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu",
+             kernel_options={"state": state, "pieces": pieces})
+    triton = fn(*bf, g, beta, **meta, implementation="pallas_triton")
+    o = np.asarray(got[0], np.float32)
+    np.testing.assert_array_equal(o[num_real:], 0, err_msg="padding tokens")
+    lines = bad_tokens(got[0][:num_real], triton[0][:num_real], meta["cu_seqlens"])
+    for line in lines:
+        print(f"{op} {state} pieces {pieces} o vs pallas_triton: {line}")
+    assert not lines
+    real = lambda outputs: (np.asarray(outputs[0], np.float32)[:num_real], *outputs[1:])  # noqa: E731
+    for name, a, t in zip(("o", "final", "checkpoints"), real(got), real(triton)):
+        a, t = np.asarray(a, np.float32), np.asarray(t, np.float32)
+        print(f"{op} {state} pieces {pieces} {name}: rel-RMS {rel_rms(a, t):.2e} vs pallas_triton")
+        assert np.isfinite(a).all() and rel_rms(a, t) < AGREE_TOL, (name, rel_rms(a, t))

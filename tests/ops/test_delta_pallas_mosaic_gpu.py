@@ -309,3 +309,37 @@ def test_state_terms_is_checked():
     assert "state_terms=1 needs" in gdn_mosaic.supports(**inputs, interpret=True, state="v1", state_terms=1)
     with pytest.raises(ValueError, match="state_terms must be 1 or 2"):
         mosaic_delta.delta_rule_mosaic(**inputs, per_channel_decay=False, interpret=True, state_terms=True)
+
+
+@pytest.mark.parametrize("pieces", [1, 2])
+@pytest.mark.parametrize("op, state", [("gdn", "v2"), ("gdn", "fused"), ("kda", "v2")])
+def test_token_layout_output_against_float64(op, state, pieces):
+    """The lanes kernels store O straight into the token layout: rows of 1, 37, 83 and 0 tokens (chunk starts 0, 1,
+    38, 102: off the 8-row grid; every row's last chunk partial, stored as boxes of 32, ..., 1 rows), then 75 padding
+    tokens (one whole 64-row zero box and 11 rows) holding NaN in every input. Token by token against float64, the
+    padding tokens exactly zero; with pieces = 2 the 37-token row has an empty piece and the 83-token row one chunk
+    per piece, each lane storing only its own chunks."""
+    rng = np.random.default_rng(97 + pieces)
+    cu = np.array([0, 1, 38, 121, 121], np.int32)
+    T, HV, D = 196, 2, HEAD_DIM
+    g_shape = (T, HV, D) if op == "kda" else (T, HV)
+    inputs = dict(q=rng.normal(size=(T, 1, D)), k=rng.normal(size=(T, 1, D)), v=rng.normal(size=(T, HV, D)),
+                  g=-rng.exponential(0.1, size=g_shape), beta=rng.uniform(0.05, 0.95, size=(T, HV)))
+    inputs = {name: x.astype(ml_dtypes.bfloat16 if name in "qkv" else np.float32) for name, x in inputs.items()}
+    state_0 = rng.normal(size=(cu.size - 1, HV, D, D)).astype(np.float32)
+    options = dict(initial_state=state_0, cu_seqlens=cu, checkpoint_cu=np.array([0, 0, 1, 2, 2], np.int32),
+                   checkpoint_offsets=np.array([36, 70], np.int32), use_qk_l2norm=True)
+    nan_padded = {name: np.concatenate([x[:cu[-1]], np.full_like(x[cu[-1]:], np.nan)]) for name, x in inputs.items()}
+    mosaic, reference_op = ((kda_mosaic.kda, kda_reference.kda) if op == "kda" else
+                            (gdn_mosaic.gated_delta_rule, gdn_reference.gated_delta_rule))
+    tuning = dict(state=state, pieces=pieces, intra=None if state == "fused" else "pallas_triton")
+    actual = run(mosaic, nan_padded, options, **tuning)
+    reference = reference_op(**inputs, **options)
+    for name, a, r in zip(("o", "final_state", "checkpoint_states"), actual, reference):
+        assert a.shape == r.shape and np.isfinite(a).all(), name
+        assert rel_rms(a, r) <= BF16_TOL, (name, rel_rms(a, r))
+    o, o_ref = actual[0][:cu[-1]], np.asarray(reference[0], np.float32)[:cu[-1]]
+    token_error = np.abs(o - o_ref).max(axis=(1, 2))
+    bad = np.flatnonzero(token_error > 0.05 * np.abs(o_ref).max())
+    assert not bad.size, f"tokens {bad.tolist()} differ from float64 (rows start at {cu[:-1].tolist()})"
+    np.testing.assert_array_equal(actual[0][cu[-1]:], 0)

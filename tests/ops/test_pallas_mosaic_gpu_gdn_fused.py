@@ -74,10 +74,15 @@ def prepared(x):
                                     CHECKPOINT_OFFSETS), chunk_size=C, interpret=True)
 
 
-def tokens(p, o_chunks, final, ckpts):
-    """(o of the real tokens [T_real, HV, V], final, real checkpoints) from a state pass's chunk-major result."""
+def tokens(p, o, final, ckpts):
+    """(o of the real tokens [T_real, HV, V], final, real checkpoints) from a state pass's result: o in token order
+    (the fused pass, whose padding tokens must be exactly zero) or chunk-major (version 1, gathered here)."""
     lay = p.lay
-    o = np.asarray(jnp.asarray(o_chunks, jnp.float32))[np.asarray(lay.token_chunk), np.asarray(lay.token_pos)]
+    o = np.asarray(jnp.asarray(o, jnp.float32))
+    if o.ndim == 4:
+        o = o[np.asarray(lay.token_chunk), np.asarray(lay.token_pos)]
+    else:
+        np.testing.assert_array_equal(o[~np.asarray(lay.token_valid)], 0, err_msg="padding tokens")
     return (o[np.asarray(lay.token_valid)], np.asarray(final),
             np.asarray(ckpts)[:CHECKPOINT_OFFSETS.size][np.asarray(lay.checkpoint_valid)[:CHECKPOINT_OFFSETS.size]])
 
@@ -174,8 +179,8 @@ def test_map_mode_against_float64():
     first, count = np.array([0, 3, 3], np.int32), np.array([3, 0, 1], np.int32)
     # row 3's chunks 4, 5 belong to no lane: poisoned, they must not be read
     t0, k_c, v_c = (a.at[:, 4:].set(jnp.nan) for a in (t0, k_c, v_c))
-    maps = np.asarray(fused.gdn_fused_lanes(jnp.asarray(first), jnp.asarray(count), q_c, k_c, v_c, beta_c, p.G, t0,
-                                            None, group=2, scale=p.scale, map_mode=True, interpret=True))
+    maps = np.asarray(fused.gdn_fused_lanes(jnp.asarray(first), jnp.asarray(count), None, None, q_c, k_c, v_c, beta_c,
+                                            p.G, t0, None, group=2, scale=p.scale, map_mode=True, interpret=True))
     expected = chunk_maps(t0, k_c, v_c, beta_c, p.G, first, count)
     assert maps.shape == expected.shape
     assert np.isfinite(maps).all(), seed
@@ -224,15 +229,15 @@ def test_lowers_for_sm90(monkeypatch, mode, head_k, head_v):
         i32(NC), i32(NC), arg((T, H, head_k), dtype), arg((T, H, head_k), dtype), arg((T, HV, head_v), dtype),
         arg((T, HV), jnp.float32))
     assert "gdn_kkt_mosaic_gpu" in kkt.mlir_module()
-    lanes = [i32(L), i32(L), arg((H, NC, C, head_k), dtype), arg((H, NC, C, head_k), dtype),
+    lanes = [i32(L), i32(L), i32(NC), i32(NC), arg((H, NC, C, head_k), dtype), arg((H, NC, C, head_k), dtype),
              arg((HV, NC, C, head_v), dtype), arg((HV, NC, C), jnp.float32), arg((HV, NC, C), jnp.float32),
              arg((HV, NC, C, C), dtype)]
-    options = dict(group=2, scale=0.1)
+    options = dict(group=2, scale=0.1, num_tokens=T)
     if mode == "map":
         fn = lambda *a: fused.gdn_fused_lanes(*a, None, map_mode=True, **options)  # noqa: E731
     elif mode == "checkpoints":
         lanes += [arg((L, HV, head_k, head_v), jnp.float32), i32(NC), i32(NC), i32(M)]
-        fn = lambda *a: fused.gdn_fused_lanes(*a[:9], fused.Checkpoints(*a[9:]), **options)  # noqa: E731
+        fn = lambda *a: fused.gdn_fused_lanes(*a[:11], fused.Checkpoints(*a[11:]), **options)  # noqa: E731
     else:
         lanes += [arg((L, HV, head_k, head_v), jnp.float32)]
         fn = lambda *a: fused.gdn_fused_lanes(*a, **options)  # noqa: E731

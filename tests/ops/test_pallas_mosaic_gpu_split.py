@@ -43,8 +43,8 @@ def rel_rms(actual, expected):
     return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
 
 
-def _lanes_numpy(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ck, *, channel, group, map_mode,
-                 o_dtype):
+def _lanes_numpy(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd, qg, aqk, lane_init, ck, *, channel,
+                 group, map_mode, o_dtype, num_tokens):
     f64 = lambda x: None if x is None else np.asarray(x, np.float64)  # noqa: E731
     decays, w, u, kd, qg, aqk, lane_init = map(f64, (decays, w, u, kd, qg, aqk, lane_init))
     num_v_heads, num_chunks, chunk, head_k = w.shape
@@ -56,7 +56,11 @@ def _lanes_numpy(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, c
     if map_mode:
         u = np.concatenate([np.zeros((*u.shape[:-1], head_k)), u], axis=-1)
     width = u.shape[-1]
-    o = np.full((num_chunks, chunk, num_v_heads, head_v), np.nan)
+    o = None
+    if not map_mode:
+        o = np.full((num_tokens, num_v_heads, head_v), np.nan)
+        ends = [chunk_start[f + n - 1] + chunk_len[f + n - 1] for f, n in zip(lane_first, lane_count) if n]
+        o[max(ends, default=0):] = 0  # tokens past the last lane's last chunk
     end = np.zeros((len(lane_first), num_v_heads, head_k, width))
     ckpt = None
     if ck is not None:
@@ -71,7 +75,8 @@ def _lanes_numpy(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, c
             for c in range(first, first + count):
                 v_new = u[h, c] - w[h, c] @ S
                 if not map_mode:
-                    o[c, :, h] = qg[h, c] @ S + aqk[h, c] @ v_new
+                    length = chunk_len[c]
+                    o[chunk_start[c]:chunk_start[c] + length, h] = (qg[h, c] @ S + aqk[h, c] @ v_new)[:length]
                 if ck is not None:
                     start = ck.chunk_start[c]
                     k_c = keys[start:start + chunk, h // group]
@@ -92,17 +97,19 @@ def _lanes_numpy(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, c
     return o.astype(o_dtype), end.astype(np.float32), ckpt.astype(np.float32)
 
 
-def emulate_state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, checkpoints=None, *,
-                        per_channel_decay, group, map_mode=False, interpret=False, state_layout="kv"):
+def emulate_state_lanes(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd, qg, aqk, lane_init,
+                        checkpoints=None, *, per_channel_decay, group, num_tokens=None, map_mode=False, interpret=False,
+                        state_layout="kv", state_terms=2):
     """`pallas_mosaic_gpu_state.state_lanes` in float64 numpy (fp32 results), through a host callback; "vk":
-    lane_init and every returned state transposed."""
-    del interpret
+    lane_init and every returned state transposed. Exact arithmetic: `state_terms` (the kernel's rounding) is moot."""
+    del interpret, state_terms
     CALLS.append(dict(lanes=lane_first.shape[0], map_mode=map_mode, has_init=lane_init is not None))
     if state_layout == "vk":
         kv = lambda x: x.swapaxes(-1, -2)  # noqa: E731
         lane_init = None if lane_init is None else kv(lane_init)
-        out = emulate_state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, checkpoints,
-                                  per_channel_decay=per_channel_decay, group=group, map_mode=map_mode)
+        out = emulate_state_lanes(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd, qg, aqk, lane_init,
+                                  checkpoints, per_channel_decay=per_channel_decay, group=group,
+                                  num_tokens=num_tokens, map_mode=map_mode)
         CALLS.pop()
         return kv(out) if map_mode else (out[0], kv(out[1]), kv(out[2]))
     num_v_heads, num_chunks, chunk, head_k = w.shape
@@ -113,18 +120,20 @@ def emulate_state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_
         out = jax.ShapeDtypeStruct((lanes, num_v_heads, head_k, head_k + head_v), jnp.float32)
     else:
         num_ckpt = 0 if checkpoints is None else checkpoints.checkpoint_pos.shape[0]
-        out = (jax.ShapeDtypeStruct((num_chunks, chunk, num_v_heads, head_v), w.dtype),
+        out = (jax.ShapeDtypeStruct((num_tokens, num_v_heads, head_v), w.dtype),
                jax.ShapeDtypeStruct((lanes, num_v_heads, head_k, head_v), jnp.float32),
                jax.ShapeDtypeStruct((max(num_ckpt, 1), num_v_heads, head_k, head_v), jnp.float32))
 
     def host(*args):
-        arrays, ck = args[:9], args[9:]
+        arrays, ck = args[:11], args[11:]
         ck = lanes_kernel.Checkpoints(*map(np.asarray, ck)) if ck else None
         return _lanes_numpy(*map(lambda x: None if x is None else np.asarray(x), arrays), ck,
-                            channel=per_channel_decay, group=group, map_mode=map_mode, o_dtype=w.dtype)
+                            channel=per_channel_decay, group=group, map_mode=map_mode, o_dtype=w.dtype,
+                            num_tokens=num_tokens)
 
     ck_args = () if checkpoints is None else tuple(checkpoints)
-    return jax.pure_callback(host, out, lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, *ck_args)
+    return jax.pure_callback(host, out, lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd, qg, aqk,
+                             lane_init, *ck_args)
 
 
 CALLS = []
@@ -176,10 +185,11 @@ def prepared(request):
     return per_channel, p, intermediates, options, (o[:CU_SEQLENS[-1]], final, ckpt[:CHECKPOINT_CU[-1]])
 
 
-def tokens(p, o_chunks):
-    """The chunk-major output [NC, C, HV, V] at the packed tokens of the rows (padding tokens dropped)."""
-    lay = p.lay
-    o = np.asarray(o_chunks).reshape(-1, *o_chunks.shape[2:])[np.asarray(lay.token_chunk * CHUNK + lay.token_pos)]
+def tokens(p, o):
+    """The rows' tokens of the token-order output [T, HV, V], after checking that the padding tokens are zero."""
+    o = np.asarray(o)
+    assert o.shape[0] == p.q.shape[0], o.shape
+    np.testing.assert_array_equal(o[CU_SEQLENS[-1]:], 0, err_msg="padding tokens")
     return o[:CU_SEQLENS[-1]]
 
 

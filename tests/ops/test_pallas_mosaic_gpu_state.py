@@ -77,13 +77,15 @@ def make_tiles(seed, *, channel, case=TINY, num_v_heads=2, group=2, K=64, V=64, 
 
 
 def reference(tiles, decays, lane_init, ck, *, channel, group, lane_first=TINY["lane_first"],
-              lane_count=TINY["lane_count"]):
-    """The contract in float64, chunk by chunk: (o [NC, C, HV, V], lane_end [L, HV, K, V], checkpoints [M, HV, K, V])
-    with NaN where nothing is specified."""
+              lane_count=TINY["lane_count"], num_tokens=TINY["num_tokens"]):
+    """The contract in float64, chunk by chunk: (o [T, HV, V] in token order, lane_end [L, HV, K, V], checkpoints
+    [M, HV, K, V]) with NaN where nothing is specified; o's tokens past the last lane's last chunk are 0."""
     w, u, kd, qg, aqk = (np.asarray(tiles[name], np.float64) for name in ("w", "u", "kd", "qg", "aqk"))
     HV, NC, _, K = w.shape
     V = u.shape[-1]
-    o = np.full((NC, C, HV, V), np.nan)
+    o = np.full((num_tokens, HV, V), np.nan)
+    ends_at = [ck.chunk_start[f + n - 1] + ck.chunk_len[f + n - 1] for f, n in zip(lane_first, lane_count) if n]
+    o[max(ends_at, default=0):] = 0
     ends = np.zeros((len(lane_first), HV, K, V))
     ckpts = np.full((max(ck.checkpoint_pos.size, 1), HV, K, V), np.nan)
     G = np.asarray(ck.G, np.float64)
@@ -93,7 +95,8 @@ def reference(tiles, decays, lane_init, ck, *, channel, group, lane_first=TINY["
             S = np.zeros((K, V)) if lane_init is None else np.asarray(lane_init[lane, h], np.float64)
             for c in range(first, first + count):
                 v_new = u[h, c] - w[h, c] @ S
-                o[c, :, h] = qg[h, c] @ S + aqk[h, c] @ v_new
+                start, length = ck.chunk_start[c], ck.chunk_len[c]
+                o[start:start + length, h] = (qg[h, c] @ S + aqk[h, c] @ v_new)[:length]
                 for m in range(ck.ck_start[c], ck.ck_start[c] + ck.ck_count[c]):
                     r = ck.checkpoint_pos[m]
                     G_r = G[h, c, r - 1] if r > 0 else np.zeros_like(G[h, c, 0])
@@ -127,19 +130,21 @@ def reference_maps(tiles, decays, *, channel, first, count):
 
 def run_lanes(tiles, decays, lane_init, ck, *, channel, group, case=TINY, interpret=True, **options):
     names = ("w", "u", "kd", "qg", "aqk")
-    args = [jnp.asarray(x) for x in (case["lane_first"], case["lane_count"], decays, *(tiles[n] for n in names),
-                                     lane_init)]
+    args = [jnp.asarray(x) for x in (case["lane_first"], case["lane_count"], case["chunk_start"], case["chunk_len"],
+                                     decays, *(tiles[n] for n in names), lane_init)]
     ck = None if ck is None else mgs.Checkpoints(*(jnp.asarray(x) for x in ck))
-    outs = mgs.state_lanes(*args, ck, per_channel_decay=channel, group=group, interpret=interpret, **options)
+    outs = mgs.state_lanes(*args, ck, per_channel_decay=channel, group=group, num_tokens=case["num_tokens"],
+                           interpret=interpret, **options)
     return [np.asarray(jnp.asarray(x, jnp.float32)) for x in outs]
 
 
 def check_lanes(seed, actual, expected, *, state_tol=STATE_TOL):
     o, ends, ckpts = actual
     o_ref, ends_ref, ckpts_ref = expected
-    inside = np.isfinite(o_ref)
+    inside = np.isfinite(o_ref) & (o_ref != 0)
     assert np.isfinite(o[inside]).all(), seed
     assert rel_rms(o[inside], o_ref[inside]) <= O_TOL, (seed, rel_rms(o[inside], o_ref[inside]))
+    np.testing.assert_array_equal(o[o_ref == 0], 0, err_msg=f"seed {seed}: tokens past the lanes")
     assert np.isfinite(ends).all(), seed
     assert rel_rms(ends, ends_ref) <= state_tol, (seed, rel_rms(ends, ends_ref))
     for m in np.flatnonzero(np.isfinite(ckpts_ref).all(axis=(1, 2, 3))):  # entries of checkpoint chunks
@@ -164,8 +169,8 @@ def test_map_mode_against_float64(channel):
     # column blocks of [I | 0] (K = 64: one identity block) and of [0 | U] (V = 128: two blocks); lanes as above
     seed = int(np.random.SeedSequence().entropy % 2**31)
     tiles, decays, _, _ = make_tiles(seed, channel=channel, V=128)
-    args = [jnp.asarray(x) for x in (TINY["lane_first"], TINY["lane_count"], decays, tiles["w"], tiles["u"],
-                                     tiles["kd"])]
+    args = [jnp.asarray(x) for x in (TINY["lane_first"], TINY["lane_count"])] + [None, None]
+    args += [jnp.asarray(x) for x in (decays, tiles["w"], tiles["u"], tiles["kd"])]
     maps = np.asarray(mgs.state_lanes(*args, None, None, None, per_channel_decay=channel, group=2, map_mode=True,
                                       interpret=True))
     expected = reference_maps(tiles, decays, channel=channel, first=TINY["lane_first"], count=TINY["lane_count"])
@@ -195,9 +200,13 @@ def pipeline_case(seed, channel):
     return p, tiles, init
 
 
-def valid_outputs(p, o_chunks, final, ckpts):
+def valid_outputs(p, o, final, ckpts):
+    """The real tokens' O (version 1's chunk-major o [NC, C, HV, V] gathered; version 2's is in token order), final
+    states, the real checkpoints."""
     lay = p.lay
-    o = np.asarray(o_chunks, np.float32)[np.asarray(lay.token_chunk), np.asarray(lay.token_pos)]
+    o = np.asarray(o, np.float32)
+    if o.ndim == 4:
+        o = o[np.asarray(lay.token_chunk), np.asarray(lay.token_pos)]
     valid = np.asarray(lay.token_valid)
     return o[valid], np.asarray(final), np.asarray(ckpts)[np.asarray(lay.checkpoint_valid)]
 
@@ -207,7 +216,12 @@ def test_state_pass_v2_matches_version_1(channel):
     seed = int(np.random.SeedSequence().entropy % 2**31)
     p, tiles, init = pipeline_case(seed, channel)
     v1 = valid_outputs(p, *mgd.state_pass(p, *tiles, init, per_channel_decay=channel, interpret=True))
-    v2 = valid_outputs(p, *mgs.state_pass_v2(p, *tiles, init, per_channel_decay=channel, interpret=True))
+    outs = mgs.state_pass_v2(p, *tiles, init, per_channel_decay=channel, interpret=True)
+    # token order, the 10 padding tokens (NaN inputs) exactly zero
+    o = np.asarray(outs[0], np.float32)
+    assert o.shape == (p.q.shape[0], *p.v.shape[1:]), o.shape
+    np.testing.assert_array_equal(o[~np.asarray(p.lay.token_valid)], 0, err_msg=str(seed))
+    v2 = valid_outputs(p, *outs)
     for name, a, b in zip(("o", "final", "checkpoints"), v2, v1):
         assert a.shape == b.shape and np.isfinite(a).all(), (seed, name)
         assert rel_rms(a, b) <= AGREE_TOL[name], (seed, name, rel_rms(a, b))
@@ -240,18 +254,19 @@ def test_lowers_for_sm90(monkeypatch, channel, mode, head_k, head_v, publish_slo
     arg = jax.ShapeDtypeStruct
     HV, NC, L, M, group, dtype = 4, 20, 3, 5, 2, jnp.bfloat16
     tile = lambda width: arg((HV, NC, C, width), dtype)  # noqa: E731
-    lanes = [arg((L,), jnp.int32)] * 2 + [arg((HV, NC, head_k) if channel else (HV, NC, C), jnp.float32)]
-    lanes += [tile(head_k), tile(head_v), tile(head_k)]
+    lanes = [arg((L,), jnp.int32)] * 2 + [arg((NC,), jnp.int32)] * 2
+    lanes += [arg((HV, NC, head_k) if channel else (HV, NC, C), jnp.float32), tile(head_k), tile(head_v), tile(head_k)]
     options = dict(per_channel_decay=channel, group=group, publish_slots=publish_slots)
     if mode == "map":
         fn = lambda *a: mgs.state_lanes(*a, None, None, None, map_mode=True, **options)  # noqa: E731
         args = lanes
     else:
+        options["num_tokens"] = NC * C - 5  # token-layout O: a row's last chunk may end mid-chunk
         args = lanes + [tile(head_k), tile(C), arg((L, HV, head_k, head_v), jnp.float32)]
         ck = [arg((NC,), jnp.int32)] * 2 + [arg((M,), jnp.int32), arg((NC * C, HV // group, head_k), dtype)]
         ck += [arg((NC,), jnp.int32)] * 2 + [arg((HV, NC, C, head_k) if channel else (HV, NC, C), jnp.float32)]
         if mode == "checkpoints":
-            fn = lambda *a: mgs.state_lanes(*a[:9], mgs.Checkpoints(*a[9:]), **options)  # noqa: E731
+            fn = lambda *a: mgs.state_lanes(*a[:11], mgs.Checkpoints(*a[11:]), **options)  # noqa: E731
             args = args + ck
         else:
             fn = lambda *a: mgs.state_lanes(*a, **options)  # noqa: E731

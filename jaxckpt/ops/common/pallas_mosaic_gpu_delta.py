@@ -18,6 +18,9 @@ version, the reference the others are tested against), which fuses the output:
     (KDA: exp(G_last) is a [K] vector scaling the rows of S.)
 
 The split over pieces (`pallas_mosaic_gpu_split`) serves "v2" and "fused" alike; the cumsum launch is shared.
+"v2" and "fused" store O straight into the token layout [T, HV, V] with the padding tokens zero (an untiled TMA
+view, `pallas_mosaic_gpu_state` docstring, "O"); only "v1" leaves it chunk-major, for an XLA gather in
+`delta_rule_mosaic`.
 
 Version 1's design (the rest of this docstring; version 2 and the fused pass document theirs in their modules).
 Design (one CTA of one warpgroup, doing all of the below, per grid point (row, value head, V / 64)):
@@ -47,7 +50,8 @@ Design (one CTA of one warpgroup, doing all of the below, per grid point (row, v
   rows long, so on the GPU o % 8 of every 8 rows fall out of bounds (a store drops them, a load zero-fills them),
   while the interpreter copies them all. An earlier version stored O at each chunk's packed token offset and
   loaded the checkpoint keys from k [T, H, K] at the chunk start: a row starting at 1501 (o % 8 = 5) kept 3 of
-  every 8 output rows on the H200.
+  every 8 output rows on the H200. (The lanes kernels store O at token offsets through an *untiled* SMEM view,
+  which has no such limit: `tiles.token_staging`.)
 - Checkpoints, exactly as `pallas_triton_delta._checkpoints_in_chunk`: the loop over a row's chunks is cut into
   segments at the chunks holding checkpoints (`_checkpoint_segments`), and such a chunk additionally forms, for each
   of its checkpoints at chunk position r, exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T (r = 0 gives
@@ -503,10 +507,10 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
                           pieces=pieces)
     if reason is not None:
         raise ValueError(reason)
+    lay = p.lay
     if state == "fused":
-        o_chunks, final_state, checkpoint_states = mosaic_split.fused_pass_split(p, init, pieces=pieces,
-                                                                                 interpret=interpret,
-                                                                                 state_terms=state_terms)
+        o, final_state, checkpoint_states = mosaic_split.fused_pass_split(p, init, pieces=pieces, interpret=interpret,
+                                                                          state_terms=state_terms)
     else:
         if intra == "mosaic_gpu":
             intra_kernel = mosaic_kda_intra.kda_intra if per_channel_decay else mosaic_intra.gdn_intra
@@ -523,15 +527,15 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
             o_chunks, final_state, checkpoint_states = state_pass(p, w, u, kd, qg, aqk, init,
                                                                   per_channel_decay=per_channel_decay,
                                                                   interpret=interpret)
+            # version 1 stores whole chunks: tokens from their chunks' rows in one gather; padding tokens (pointing
+            # at chunk 0, maybe never written) zeroed by a select
+            o = o_chunks.reshape(-1, *o_chunks.shape[2:])[lay.token_chunk * chunk_size + lay.token_pos]  # [T', HV, V]
+            o = jnp.where(lay.token_valid[:, None, None], o, 0)
         else:
-            o_chunks, final_state, checkpoint_states = mosaic_split.state_pass_split(
+            o, final_state, checkpoint_states = mosaic_split.state_pass_split(
                 p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel_decay, pieces=pieces, interpret=interpret,
                 state_terms=state_terms)
-    lay = p.lay
-    # tokens from their chunks' rows in one gather; padding tokens (pointing at chunk 0, maybe never written) and
-    # padded CSR entries zeroed by a select
-    o = o_chunks.reshape(-1, *o_chunks.shape[2:])[lay.token_chunk * chunk_size + lay.token_pos]  # [T', HV, V]
-    o = jnp.where(lay.token_valid[:, None, None], o, 0)[:num_tokens]
+    o = o[:num_tokens]  # v2 and fused write token order, padding tokens zero; T' = 1 for an empty call
     num_ckpt = lay.checkpoint_pos.shape[0]
     checkpoint_states = jnp.where(lay.checkpoint_valid[:, None, None, None], checkpoint_states[:num_ckpt], 0)
     if state_layout == "vk":

@@ -55,8 +55,10 @@ Kernels:
    - output (warpgroup 1): one chunk ahead of the state warpgroup it turns the ring's T0 into Ag in place (so Ag
      is off the state chain), then for the current chunk forms the scores P = scale tril(q k^T) exp(G_i - G_j),
      waits for the published S^T_hi and v_new_hi and computes O = scale exp(G) (q S_hi) + P v_new_hi (two
-     accumulators, issued together), staged and TMA-stored into the chunk-major o [NC, C, HV, V] (every chunk
-     whole: a TMA store cannot be masked by rows).
+     accumulators, issued together), staged and TMA-stored straight into the token layout o [T, HV, V] at the
+     chunk's own tokens, as `pallas_mosaic_gpu_state` does (its docstring, "O": a whole chunk as one box through
+     the untiled view of `tiles.token_staging`, a row's partial last chunk as 32, ..., 1-row boxes from its plain
+     view, zeros over the padding tokens from one extra, empty lane), so no XLA gather follows.
    Checkpoints as in `pallas_mosaic_gpu_state`: a chunk with checkpoints forms, for each at chunk position r,
    exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T (r = 0: S itself) in the state warpgroup after the
    update wgmma, with kr = k exp(G_{r-1} - G) (rows >= r masked by a select) split hi + lo into SMEM; the keys are
@@ -65,11 +67,11 @@ Kernels:
    map_mode: the lane's affine map [M | E] as the same recurrence over the column blocks of [I | 0] with v -> [0 | v];
    no q, no O (the output warpgroup only prepares Ag).
 3. `gdn_fused_pass`: `gdn_kkt` + `gdn_fused_lanes` over whole rows, with `pallas_mosaic_gpu_delta.state_pass`'s
-   return contract.
+   arguments and return contract except that o comes in token order (padding tokens zero), not chunk-major.
 
 SMEM (K = V = 128, bf16): a ring slot holds q, k (16 KB each), v's column block and T0 / Ag (8 KB each) and the G,
-beta rows: 48.5 KB; fixed: published S^T_hi 2 x 16 KB, v_new_hi 2 x 8 KB, P 8 KB, O staging 8 KB; checkpoint kr
-tiles 2 x 16 KB. 3 slots without checkpoints (210 KB), 2 with (194 KB); map_mode and K = 64 take 4 (`_stages`).
+beta rows: 48.5 KB; fixed: published S^T_hi 2 x 16 KB, v_new_hi 2 x 8 KB, P 8 KB, O staging 8 KB (three views of
+one tile); checkpoint kr tiles 2 x 16 KB. 3 slots without checkpoints (210 KB), 2 with (194 KB); map_mode and K = 64 take 4 (`_stages`).
 
 Interpret mode (`interpret=True` or a `plgpu.InterpretGPUParams`): Mosaic GPU's interpreter reads a wgmma's A
 operand only from SMEM, so there every register operand takes a detour through a scratch tile (`tiles.lhs`); its wgmma
@@ -226,11 +228,11 @@ def _stages(head_k, dtype, *, map_mode, has_checkpoints):
     return tiles.ring_depth(per_stage, fixed, what=f"of gdn_fused_lanes at K = {head_k}")
 
 
-def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoints, terms, **s):
+def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoints, terms, interpret, pad_lane, **s):
     refs = list(refs)
     take = lambda count: [refs.pop(0) for _ in range(count)]  # noqa: E731
     first_ref, count_ref, G_ref, beta_ref, t0_ref, k_ref, v_ref = take(7)
-    q_ref = None if map_mode else refs.pop(0)
+    q_ref, start_ref, len_ref, pad_ref = (None,) * 4 if map_mode else take(4)
     init_ref = refs.pop(0) if has_init else None
     if has_checkpoints:
         ck_start_ref, ck_count_ref, ck_pos_ref = take(3)
@@ -246,6 +248,7 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
     head_k = k_s.shape[-1]
     dtype = k_s.dtype
     first, count = first_ref[lane], count_ref[lane]
+    num_chunks = k_ref.shape[1]
     state_shape = (BLOCK_V, head_k)  # S^T block
     sq = (CHUNK, CHUNK)
     if map_mode:
@@ -396,14 +399,23 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
             lax.fori_loop(0, count, step, 0)
             return
 
-        q_s, s_pub, vn_pub, p_s, o_s = s["q_s"], s["s_pub"], s["vn_pub"], s["p_s"], s["o_s"]
+        q_s, s_pub, vn_pub, p_s = s["q_s"], s["s_pub"], s["vn_pub"], s["p_s"]
+        o_land, o_tiled, o_rows = s["o_s"]  # one SMEM tile, three views (`tiles.token_staging`)
+        o_full = o_tiled if interpret else o_land  # the interpreter keeps the views apart and copies any rows
+        dst = o_ref.at[:, h, cols]  # [T, BV]
+
+        def ahead(c):
+            c = jnp.minimum(c, num_chunks - 1)
+            return start_ref[c], len_ref[c]
 
         @pl.when(count > 0)
         def _():
             prepare(0)
 
         def step(i, carry):
+            start, length = carry
             c, slot, half = first + i, lax.rem(i, stages), lax.rem(i, 2)
+            after = ahead(c + 1)  # global loads that this chunk's wgmmas hide
 
             @pl.when(i + 1 < count)
             def _():
@@ -419,14 +431,29 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
                               ((CHUNK, BLOCK_V), ((p_s, vn_pub.at[half]),)))
             plgpu.barrier_arrive(s["s_free"].at[half])
             plgpu.barrier_arrive(in_free.at[slot])
-            o = tiles.by_row(scale * jnp.exp(G_row), qs.shape) * qs + pv
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's store has read o_s
-            o_s[...] = o.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[c, :, h, cols])
-            return carry
+            o = (tiles.by_row(scale * jnp.exp(G_row), qs.shape) * qs + pv).astype(dtype)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores have read the tile
 
-        lax.fori_loop(0, count, step, 0)
+            @pl.when(length == CHUNK)
+            def _():
+                o_tiled[...] = o
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_full, dst.at[pl.ds(start, CHUNK)])
+
+            @pl.when(length < CHUNK)  # a row's last chunk: its rows past length are another row's or padding
+            def _():
+                o_rows[...] = o
+                plgpu.commit_smem()
+                tiles.store_rows(o_rows, dst, start, length)
+
+            return after
+
+        lax.fori_loop(0, count, step, ahead(first))
+
+        @pl.when(lane == pad_lane)  # the extra, empty lane: zeros over the tokens past the last lane's chunks
+        def _():
+            tiles.store_zeros(o_rows, dst, pad_ref[0], pad_ref[1])
+
         plgpu.wait_smem_to_gmem(0)
 
     # a warpgroup exiting while another still issues wgmmas has faulted on sm_90 (`pallas_mosaic_gpu_state`)
@@ -434,12 +461,13 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
     plgpu.barrier_wait(done)
 
 
-def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, checkpoints=None, *, group, scale,
-                    map_mode=False, interpret=False, state_terms=2):
+def gdn_fused_lanes(lane_first, lane_count, chunk_start, chunk_len, q, k, v, beta, G, T0, lane_init, checkpoints=None,
+                    *, group, scale, num_tokens=None, map_mode=False, interpret=False, state_terms=2):
     """The fused GDN state loop over L lanes (module docstring, kernel 2), on `gdn_kkt`'s outputs.
 
     lane_first, lane_count  # i32[L]: lane l walks chunks lane_first[l], ..., + lane_count[l] - 1 (count 0: end =
                             # start; lanes never share a chunk)
+    chunk_start, chunk_len  # i32[NC]: chunk c holds the packed tokens [chunk_start[c], + chunk_len[c]) (`ChunkLayout`)
     q, k                    # [H, NC, C, K] 16-bit chunk-major, rows past each chunk zero (`gdn_kkt`)
     v                       # [HV, NC, C, V]
     beta                    # fp32 [HV, NC, C], padding rows zero
@@ -451,16 +479,19 @@ def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, che
     chain (k S, X Ag_<, the update) hi + lo, 1 as one 16-bit term each (FLA's and jla's precision, one wgmma per
     product). `interpret`: False (GPU), True or a `plgpu.InterpretGPUParams`.
 
-    Returns (o chunk-major [NC, C, HV, V] in the 16-bit dtype (chunks outside every lane and padding rows
-    unspecified), lane_end fp32 [L, HV, K, V], checkpoint_states fp32 [max(M, 1), HV, K, V]) — the contract of
-    `pallas_mosaic_gpu_state.state_lanes`. map_mode=True (lane_init and checkpoints None): fp32
-    [L, HV, K, K + V] = [M | E], the lane's affine map S_end = M S_start + E.
+    Returns (o [num_tokens, HV, V] in the 16-bit dtype in token order (tokens from the end of the last lane's last
+    chunk on zero, tokens of chunks outside every lane unspecified), lane_end fp32 [L, HV, K, V], checkpoint_states
+    fp32 [max(M, 1), HV, K, V]) — the contract of `pallas_mosaic_gpu_state.state_lanes`. map_mode=True (lane_init
+    and checkpoints None; chunk_start, chunk_len and num_tokens unused): fp32 [L, HV, K, K + V] = [M | E], the lane's
+    affine map S_end = M S_start + E.
     """
     if map_mode and (lane_init is not None or checkpoints is not None):
         raise ValueError("map_mode: lane_init and checkpoints must be None")
+    if not map_mode and (chunk_start is None or chunk_len is None or num_tokens is None):
+        raise ValueError("chunk_start, chunk_len, num_tokens: required for the outputs (map_mode=False)")
     if state_terms not in (1, 2):
         raise ValueError(f"state_terms: must be 1 or 2, got {state_terms!r}")
-    num_v_heads, num_chunks, chunk_in, head_v = v.shape
+    num_v_heads, _, chunk_in, head_v = v.shape
     head_k = k.shape[-1]
     if chunk_in != CHUNK or head_k % BLOCK_V or head_v % BLOCK_V:
         raise ValueError(f"k, v: expected {CHUNK}-row chunks and K, V multiples of {BLOCK_V}, got {k.shape}, {v.shape}")
@@ -472,17 +503,30 @@ def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, che
     has_init = lane_init is not None
     stages = _stages(head_k, dtype, map_mode=map_mode, has_checkpoints=has_checkpoints)
 
-    inputs = [lane_first.astype(jnp.int32), lane_count.astype(jnp.int32), G.astype(_F32), beta.astype(_F32), T0, k, v]
-    inputs += [] if map_mode else [q]
+    lane_first, lane_count = lane_first.astype(jnp.int32), lane_count.astype(jnp.int32)
+    grid_lanes = num_lanes
+    extra = []
+    if not map_mode:
+        # one more lane, empty, whose CTAs write zeros over the tokens past the last lane's last chunk (padding)
+        chunk_start, chunk_len = chunk_start.astype(jnp.int32), chunk_len.astype(jnp.int32)
+        last = jnp.maximum(lane_first + lane_count - 1, 0)
+        ends = jnp.where(lane_count > 0, chunk_start[last] + chunk_len[last], 0)
+        pad_start = jnp.max(ends, initial=0)
+        extra = [chunk_start, chunk_len, jnp.stack([pad_start, num_tokens - pad_start]).astype(jnp.int32)]
+        lane_first, lane_count = (jnp.concatenate([x, jnp.zeros(1, jnp.int32)]) for x in (lane_first, lane_count))
+        lane_init = None if lane_init is None else jnp.concatenate([lane_init, jnp.zeros_like(lane_init[:1])])
+        grid_lanes += 1
+    inputs = [lane_first, lane_count, G.astype(_F32), beta.astype(_F32), T0, k, v]
+    inputs += [] if map_mode else [q, *extra]
     if has_init:
         inputs.append(lane_init.astype(_F32).swapaxes(-1, -2))  # [L, HV, V, K]
     if has_checkpoints:
         inputs += [x.astype(jnp.int32) for x in checkpoints]
 
-    end_type = jax.ShapeDtypeStruct((num_lanes, num_v_heads, width, head_k), _F32)
+    end_type = jax.ShapeDtypeStruct((grid_lanes, num_v_heads, width, head_k), _F32)
     out_type = [end_type]
     if not map_mode:
-        out_type = [jax.ShapeDtypeStruct((num_chunks, CHUNK, num_v_heads, head_v), dtype), end_type,
+        out_type = [jax.ShapeDtypeStruct((num_tokens, num_v_heads, head_v), dtype), end_type,
                     jax.ShapeDtypeStruct((max(num_ckpt, 1), num_v_heads, head_v, head_k), _F32)]
     swz = tiles.swizzled
     scratch = dict(
@@ -495,7 +539,8 @@ def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, che
     if not map_mode:
         scratch.update(
             q_s=swz((stages, CHUNK, head_k), dtype), s_pub=swz((2, BLOCK_V, head_k), dtype),
-            vn_pub=swz((2, CHUNK, BLOCK_V), dtype), p_s=swz((CHUNK, CHUNK), dtype), o_s=swz((CHUNK, BLOCK_V), dtype),
+            vn_pub=swz((2, CHUNK, BLOCK_V), dtype), p_s=swz((CHUNK, CHUNK), dtype),
+            o_s=tiles.token_staging((CHUNK, BLOCK_V), dtype),
             s_ready=plgpu.Barrier(num_barriers=2), s_free=plgpu.Barrier(num_barriers=2))
     if has_checkpoints:
         scratch.update(kr_hi=swz((CHUNK, head_k), dtype), kr_lo=swz((CHUNK, head_k), dtype))
@@ -504,9 +549,10 @@ def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, che
                        x_hi_d=swz((BLOCK_V, CHUNK), dtype), x_lo_d=swz((BLOCK_V, CHUNK), dtype))
 
     body = functools.partial(_fused_kernel, group=group, scale=float(scale), stages=stages, map_mode=map_mode,
-                             has_init=has_init, has_checkpoints=has_checkpoints, terms=state_terms)
+                             has_init=has_init, has_checkpoints=has_checkpoints, terms=state_terms,
+                             interpret=bool(interpret), pad_lane=grid_lanes - 1)
     kernel = plgpu.kernel(
-        body, out_type=tuple(out_type), scratch_types=scratch, grid=(num_lanes, num_v_heads, width // BLOCK_V),
+        body, out_type=tuple(out_type), scratch_types=scratch, grid=(grid_lanes, num_v_heads, width // BLOCK_V),
         grid_names=("l", "h", "j"), num_threads=3, thread_name="wg",
         # Lane semantics: SMEM tiles keep exactly the transforms given above (wgmma and TMA need them)
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -516,17 +562,18 @@ def gdn_fused_lanes(lane_first, lane_count, q, k, v, beta, G, T0, lane_init, che
     if map_mode:
         return outs[0].swapaxes(-1, -2)
     o, lane_end, checkpoint_states = outs
-    return o, lane_end.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
+    return o, lane_end[:num_lanes].swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
 
 
 def gdn_fused_pass(p, init, *, interpret=False):
-    """`gdn_kkt` + `gdn_fused_lanes` over whole rows: `pallas_mosaic_gpu_delta.state_pass`'s contract for GDN.
+    """`gdn_kkt` + `gdn_fused_lanes` over whole rows: `pallas_mosaic_gpu_delta.state_pass`'s contract for GDN, o in
+    token order.
 
     p     # `pallas_triton_delta.prepare(..., per_channel_decay=False)`
     init  # fp32 [N, HV, K, V] or None (zeros)
-    Returns (o chunk-major [NC, C, HV, V] (token t at [token_chunk[t], token_pos[t]]), final fp32 [N, HV, K, V],
-    checkpoints fp32 [max(M, 1), HV, K, V]; rows of unused chunks, padding rows and padded entries unspecified);
-    ValueError naming the reason when `supports` declines the call.
+    Returns (o [T', HV, V] in token order, padding tokens zero, final fp32 [N, HV, K, V], checkpoints fp32
+    [max(M, 1), HV, K, V], padded entries unspecified); ValueError naming the reason when `supports` declines the
+    call.
     """
     reason = supports(p.q, p.k, p.v, p.beta, interpret=bool(interpret))
     if reason is not None:
@@ -539,5 +586,6 @@ def gdn_fused_pass(p, init, *, interpret=False):
     if lay.checkpoint_pos.shape[0]:
         ck_start, ck_count = triton_delta._checkpoint_ranges(lay, lay.chunk_len.shape[0])
         checkpoints = Checkpoints(ck_start, ck_count, lay.checkpoint_pos)
-    return gdn_fused_lanes(lay.row_first_chunk, lay.row_num_chunks, q_c, k_c, v_c, beta_c, p.G, t0, init, checkpoints,
-                           group=group, scale=p.scale, interpret=interpret)
+    return gdn_fused_lanes(lay.row_first_chunk, lay.row_num_chunks, lay.chunk_start, lay.chunk_len, q_c, k_c, v_c,
+                           beta_c, p.G, t0, init, checkpoints, group=group, scale=p.scale, num_tokens=p.q.shape[0],
+                           interpret=interpret)

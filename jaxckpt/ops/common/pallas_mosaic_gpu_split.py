@@ -19,7 +19,9 @@ contiguous pieces of balanced chunk counts (`split_lanes`: piece p of row n is l
    Without an initial state start_0 = 0, so start_1 = E_0 and the first product is skipped.
 3. Main pass (normal lanes) over all N * P lanes from their starts: outputs, checkpoint states (each checkpoint chunk
    lies in exactly one lane, and a checkpoint at the first position of a piece is that piece's start state, as
-   `state_lanes` gives r = 0) and lane end states; row n's final state is its last piece's end.
+   `state_lanes` gives r = 0) and lane end states; row n's final state is its last piece's end. O leaves the kernel
+   in token order: every lane stores only its own chunks' tokens, and the one extra, empty lane that the kernel
+   adds per call (not per piece) zeros the padding tokens past the last row, so no gather follows.
 
 Exact: the recurrence is affine in S, so the scan reproduces the state entering every piece; nothing is
 approximated or truncated. Rounding: each start state is the plain pass's state plus the rounding of the map pass
@@ -137,7 +139,7 @@ def _split(lay, init, run_lanes, *, pieces):
 
     run_lanes(lane_first, lane_count, lane_init, *, map_mode): the kernel over those lanes with every state in the
     transposed "vk" layout: lane_init fp32 [L, HV, V, K] or None; map_mode gives [M | E]^T fp32 [L, HV, K + V, K],
-    else (o chunk-major, lane ends [L, HV, V, K], checkpoints [max(M, 1), HV, V, K]).
+    else (o [T', HV, V] in token order, lane ends [L, HV, V, K], checkpoints [max(M, 1), HV, V, K]).
     init    # fp32 [N, HV, K, V] or None (zeros)
     Returns (o, final fp32 [N, HV, K, V], checkpoints fp32 [max(M, 1), HV, K, V]).
     """
@@ -157,15 +159,15 @@ def _split(lay, init, run_lanes, *, pieces):
 
 
 def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, interpret=False, state_terms=2):
-    """`pallas_mosaic_gpu_delta.state_pass` (same arguments and results) with each row cut into `pieces` lanes
+    """`pallas_mosaic_gpu_delta.state_pass` (same arguments; o in token order) with each row cut into `pieces` lanes
     (module docstring), both passes on `pallas_mosaic_gpu_state.state_lanes`.
 
     w, kd, qg   # [HV, NC, C, K] 16-bit
     u           # [HV, NC, C, V]
     aqk         # [HV, NC, C, C]
     init        # fp32 [N, HV, K, V] or None (zeros)
-    Returns (o chunk-major [NC, C, HV, V], final fp32 [N, HV, K, V], checkpoints fp32 [max(M, 1), HV, K, V]; rows
-    of unused chunks, padding rows and padded entries unspecified).
+    Returns (o [T', HV, V] in token order (`prepare`'s T' = max(T, 1)), padding tokens zero, final fp32
+    [N, HV, K, V], checkpoints fp32 [max(M, 1), HV, K, V], padded entries unspecified).
     """
     lay = p.lay
     num_v_heads, num_chunks, chunk = w.shape[:3]
@@ -174,6 +176,7 @@ def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, i
     # checkpoints are transposed, not every lane's start and end state nor the maps
     options = dict(per_channel_decay=per_channel_decay, group=num_v_heads // p.q.shape[1], interpret=interpret,
                    state_layout="vk", state_terms=state_terms)
+    chunks = (lay.chunk_start, lay.chunk_len)
     checkpoints = None
     if lay.checkpoint_pos.shape[0]:
         ck_start, ck_count = triton_delta._checkpoint_ranges(lay, num_chunks)
@@ -182,10 +185,11 @@ def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, i
 
     def run_lanes(lane_first, lane_count, lane_init, *, map_mode):
         if map_mode:
-            return lanes_kernel.state_lanes(lane_first, lane_count, decays, w, u, kd, None, None, None, map_mode=True,
-                                            **options)
-        return lanes_kernel.state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, checkpoints,
-                                        **options)
+            return lanes_kernel.state_lanes(lane_first, lane_count, *chunks, decays, w, u, kd, None, None, None,
+                                            map_mode=True, **options)
+        # every lane stores its own chunks' tokens; the kernel's one extra lane zeros the padding tokens
+        return lanes_kernel.state_lanes(lane_first, lane_count, *chunks, decays, w, u, kd, qg, aqk, lane_init,
+                                        checkpoints, num_tokens=p.q.shape[0], **options)
 
     return _split(lay, init, run_lanes, pieces=pieces)
 
@@ -196,8 +200,8 @@ def fused_pass_split(p, init, *, pieces, interpret=False, state_terms=2):
 
     p     # `pallas_triton_delta.prepare(..., per_channel_decay=False)`; the caller checks `gdn_fused.supports`
     init  # fp32 [N, HV, K, V] or None (zeros)
-    Returns (o chunk-major [NC, C, HV, V], final fp32 [N, HV, K, V], checkpoints fp32 [max(M, 1), HV, K, V]; rows
-    of unused chunks, padding rows and padded entries unspecified).
+    Returns (o [T', HV, V] in token order, padding tokens zero, final fp32 [N, HV, K, V], checkpoints fp32
+    [max(M, 1), HV, K, V], padded entries unspecified).
     """
     lay = p.lay
     group = p.v.shape[1] // p.q.shape[1]
@@ -207,8 +211,9 @@ def fused_pass_split(p, init, *, pieces, interpret=False, state_terms=2):
     if lay.checkpoint_pos.shape[0]:
         ck_start, ck_count = triton_delta._checkpoint_ranges(lay, lay.chunk_len.shape[0])
         checkpoints = gdn_fused.Checkpoints(ck_start, ck_count, lay.checkpoint_pos)
-    lanes = functools.partial(gdn_fused.gdn_fused_lanes, q=q_c, k=k_c, v=v_c, beta=beta_c, G=p.G, T0=t0, group=group,
-                              scale=p.scale, interpret=interpret, state_terms=state_terms)
+    lanes = functools.partial(gdn_fused.gdn_fused_lanes, chunk_start=lay.chunk_start, chunk_len=lay.chunk_len, q=q_c,
+                              k=k_c, v=v_c, beta=beta_c, G=p.G, T0=t0, group=group, scale=p.scale,
+                              num_tokens=p.q.shape[0], interpret=interpret, state_terms=state_terms)
 
     def run_lanes(lane_first, lane_count, lane_init, *, map_mode):
         # gdn_fused_lanes speaks [.., K, V] states and [M | E] maps but transposes them to its own [.., V, K] at its

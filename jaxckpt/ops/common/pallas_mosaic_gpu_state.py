@@ -22,10 +22,9 @@ Design, per grid point (lane, value head, column block j of BV = 64 columns of S
   2- to 4-slot TMA ring of the chunk tiles (w, u[:, cols], kd, qg, aqk, the decays) full; warpgroup 0 (state) runs
   the chain above; warpgroup 1 (output) forms O = QG S_hi + AQK v_new_hi from S^T_hi and v_new^T_hi tiles the state
   warpgroup publishes into double-buffered SMEM (B operands: the transposed view of S^T_hi, v_new_hi stored
-  through a transposed view), stages O and TMA-stores it into the chunk-major o [NC, C, HV, V] as version 1 does
-  (every chunk whole: a TMA store cannot be masked by rows). The state warpgroup publishes S^T_hi while the v_new
-  wgmma runs and v_new^T_hi while the update wgmma runs, and waits for the output warpgroup only before reusing a
-  published buffer two chunks later. A ring slot is refilled once both consumers have released it (`in_free`,
+  through a transposed view), stages O and TMA-stores it straight into the token layout o [T, HV, V] ("O" below).
+  The state warpgroup publishes S^T_hi while the v_new wgmma runs and v_new^T_hi while the update wgmma runs, and
+  waits for the output warpgroup only before reusing a published buffer two chunks later. A ring slot is refilled once both consumers have released it (`in_free`,
   two arrivals). All three warpgroups meet at a final barrier: a warpgroup exiting while another still issues
   wgmmas has faulted on sm_90 with jax 0.11.2.
 - Checkpoints: a chunk with ck_count[c] > 0 forms, for each of its checkpoints at chunk position r,
@@ -42,6 +41,18 @@ Design, per grid point (lane, value head, column block j of BV = 64 columns of S
   (`pallas_mosaic_gpu_delta` docstring, "TMA addresses"; a copy from k [T', H, K] at a chunk start off the 8-row
   grid drops rows on the GPU). GDN reads G from the ring's G row, KDA from Checkpoints.G in global memory. The
   carried S never depends on checkpoints.
+- O: the output warpgroup stores each chunk's rows at the chunk's own tokens (chunk_start[c] ..), so no XLA gather
+  from a chunk-major copy follows (version 1 still writes one: on the H200 that gather cost 0.023 of 0.33 ms at
+  (1, 8192, 16) and 0.11 of 0.79 ms on an 8-row varlen mix). Chunk starts follow the rows, off the 8-row grid, where
+  a TMA from an (8, 64)-tiled SMEM tile drops rows on the GPU ("TMA addresses" in `pallas_mosaic_gpu_delta`), so
+  the staging tile is `tiles.token_staging`: WGMMA-layout registers go in through its tiled view and a whole chunk
+  leaves through its untiled 128-byte-swizzled view (the same bytes for 64 16-bit columns) as one [C, 64] box. A
+  TMA store cannot be masked and the rows of a row's last, partial chunk past its length belong to the next row or
+  to padding, so such a chunk goes in through the tile's plain view and leaves as boxes of 32, 16, ..., 1 rows
+  (`tiles.store_rows`). The CTAs of one extra, empty lane (added by `state_lanes`, once per call) write zeros over
+  the tokens past the last lane's last chunk (the padding of a packed call). Under `interpret` (whose RefUnion
+  views do not alias) whole chunks leave through the tiled view, which the interpreter copies at any row. All these
+  boxes lie inside [0, T), so no token array needs extra rows.
 - States cross global memory transposed ([.., V, K]) because Mosaic GPU cannot load or store a WGMMA-layout array
   through a transposed view of a global ref (jax 0.11.2: "Tiled strides must be a multiple of the vector length");
   `state_layout="kv"` (the contract) costs one XLA transpose of lane_init and of the returned states, "vk" none.
@@ -50,8 +61,8 @@ Design, per grid point (lane, value head, column block j of BV = 64 columns of S
   (`num_threads=2`), no qg / aqk / o, no checkpoints.
 
 SMEM at K = V = 128, bf16 (`_stages`): ring slots of 64.5 KB, published S^T_hi (16 KB) and v_new_hi (8 KB) tiles
-per publish slot, one O staging tile of 8 KB (its TMA store has read it long before the next chunk's O is ready),
-checkpoint kr tiles 2 x 16 KB (only with checkpoints), within the 227 KB. With `publish_slots=1` (the default; the
+per publish slot, one O staging tile of 8 KB (three views of the same bytes; its TMA stores have read it long
+before the next chunk's O is ready), checkpoint kr tiles 2 x 16 KB (only with checkpoints), within the 227 KB. With `publish_slots=1` (the default; the
 state warpgroup waits for the output warpgroup's previous chunk before publishing) the ring takes 3 slots without
 checkpoints (226 KB) and 2 with them; with 2 publish slots, 2 slots (185 / 217 KB). K = 64 and map_mode take 4
 slots; `stages` forces a depth. A 2-slot ring leaves one chunk period to hide a load's latency. Measured on the H200
@@ -115,11 +126,11 @@ def _stages(head_k, dtype, *, map_mode, has_checkpoints, publish_slots, stages=N
 
 
 def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode, has_init, has_checkpoints, terms,
-                  **scratch):
+                  interpret, pad_lane, **scratch):
     refs = list(refs)
     take = lambda count: [refs.pop(0) for _ in range(count)]  # noqa: E731
     first_ref, count_ref, dec_ref, w_ref, u_ref, kd_ref = take(6)
-    qg_ref, aqk_ref = (None, None) if map_mode else take(2)
+    qg_ref, aqk_ref, start_ref, len_ref, pad_ref = (None,) * 5 if map_mode else take(5)
     init_ref = refs.pop(0) if has_init else None
     if has_checkpoints:
         ck_start_ref, ck_count_ref, ck_pos_ref, keys_ref = take(4)
@@ -137,6 +148,7 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
     head_k = w_s.shape[-1]
     dtype = w_s.dtype
     first, count = first_ref[lane], count_ref[lane]
+    num_chunks = w_ref.shape[1]
     state_shape = (BLOCK_V, head_k)  # S^T block
     if map_mode:
         key_blocks = head_k // BLOCK_V
@@ -210,8 +222,6 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
             start = ck_start_ref[c]
             lax.fori_loop(start, start + ck_count_ref[c], one, 0)
 
-        num_chunks = w_ref.shape[1]
-
         def has_checkpoint(c):
             return ck_count_ref[jnp.minimum(c, num_chunks - 1)] > 0
 
@@ -279,23 +289,48 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
         @pl.when(wg == _OUTPUT)
         def _output():
             plgpu.set_max_registers(232, action="increase")
-            s_pub, vn_pub, o_s = s["s_pub"], s["vn_pub"], s["o_s"]
+            s_pub, vn_pub = s["s_pub"], s["vn_pub"]
+            o_land, o_tiled, o_rows = s["o_s"]  # one SMEM tile, three views (module docstring, "O")
+            o_full = o_tiled if interpret else o_land  # the interpreter keeps the views apart and copies any rows
+            dst = o_ref.at[:, h, cols]  # [T, BV]
+
+            def ahead(c):
+                c = jnp.minimum(c, num_chunks - 1)
+                return start_ref[c], len_ref[c]
 
             def step(i, carry):
+                start, length = carry
                 c, slot, half = first + i, lax.rem(i, stages), lax.rem(i, publish_slots)
+                after = ahead(c + 1)  # global loads that this chunk's wgmmas hide
                 plgpu.barrier_wait(in_bar.at[slot])
                 plgpu.barrier_wait(s["s_ready"].at[half])
                 o = tiles.matmul((chunk, BLOCK_V), ((s["qg_s"].at[slot], s_pub.at[half].T),
                                                (s["aqk_s"].at[slot], vn_pub.at[half])))
                 plgpu.barrier_arrive(s["s_free"].at[half])
                 plgpu.barrier_arrive(in_free.at[slot])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's store has read o_s
-                o_s[...] = o.astype(o_s.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_s, o_ref.at[c, :, h, cols])
-                return carry
+                o = o.astype(dtype)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores have read the tile
 
-            lax.fori_loop(0, count, step, 0)
+                @pl.when(length == chunk)
+                def _():
+                    o_tiled[...] = o
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_full, dst.at[pl.ds(start, chunk)])
+
+                @pl.when(length < chunk)  # a row's last chunk: its rows past length are another row's or padding
+                def _():
+                    o_rows[...] = o
+                    plgpu.commit_smem()
+                    tiles.store_rows(o_rows, dst, start, length)
+
+                return after
+
+            lax.fori_loop(0, count, step, ahead(first))
+
+            @pl.when(lane == pad_lane)  # the extra, empty lane: zeros over the tokens past the last lane's chunks
+            def _():
+                tiles.store_zeros(o_rows, dst, pad_ref[0], pad_ref[1])
+
             plgpu.wait_smem_to_gmem(0)
 
     plgpu.barrier_arrive(done)
@@ -317,12 +352,14 @@ def _checkpoint_keys(checkpoints, num_ckpt, chunk):
     return jnp.where(inside[:, :, None, None], keys, jnp.zeros((), keys.dtype))  # a select: NaN padding stays out
 
 
-def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, checkpoints=None, *, per_channel_decay,
-                group, map_mode=False, interpret=False, state_layout="kv", stages=None, publish_slots=1, state_terms=2):
+def state_lanes(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd, qg, aqk, lane_init, checkpoints=None,
+                *, per_channel_decay, group, num_tokens=None, map_mode=False, interpret=False, state_layout="kv",
+                stages=None, publish_slots=1, state_terms=2):
     """The state pass over L lanes.
 
     lane_first, lane_count  # i32[L]: lane l walks chunks lane_first[l], ..., lane_first[l] + lane_count[l] - 1
                             # (count 0: the lane's end state is its start state; lanes never share a chunk)
+    chunk_start, chunk_len  # i32[NC]: chunk c holds the packed tokens [chunk_start[c], + chunk_len[c]) (`ChunkLayout`)
     decays                  # fp32 GDN: [HV, NC, C] (the chunk-local cumulative G rows); KDA: [HV, NC, K] (G_last)
     w, kd, qg               # [HV, NC, C, K] 16-bit (`pallas_triton_delta.intra_v2` / the Mosaic GPU intra kernels)
     u                       # [HV, NC, C, V]
@@ -332,11 +369,13 @@ def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ch
     Per chunk c of a lane, with S fp32 [K, V] (KDA: d = exp(G_last) scales the rows of S):
         v_new = U_c - W_c S;   O_c = QG_c S + AQK_c v_new;   S <- d S + KD_c^T v_new
 
-    Returns (o chunk-major [NC, C, HV, V] in the 16-bit dtype (chunks outside every lane unspecified),
+    Returns (o [num_tokens, HV, V] in the 16-bit dtype, token t of chunk c at row chunk_start[c] + (t's position),
+    tokens from the end of the last lane's last chunk on zero, tokens of chunks outside every lane unspecified;
     lane_end fp32 [L, HV, K, V], checkpoint_states fp32 [max(M, 1), HV, K, V] (entries of chunks outside every lane
     unspecified)).
 
-    map_mode=True (qg, aqk, lane_init and checkpoints None): the lane's affine map S_end = M S_start + E, returned as
+    map_mode=True (qg, aqk, lane_init and checkpoints None; chunk_start, chunk_len and num_tokens unused): the lane's
+    affine map S_end = M S_start + E, returned as
     fp32 [L, HV, K, K + V] = [M | E]: M = prod over the lane's chunks of (D_c - KD_c^T W_c) (later chunks on the
     left; D_c = d I), E the lane's end state from zero. Computed as the same recurrence over the columns of
     [I | 0] with U replaced by [0 | U].
@@ -352,6 +391,8 @@ def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ch
         raise ValueError(f"state_layout: must be 'kv' or 'vk', got {state_layout!r}")
     if map_mode and (qg is not None or aqk is not None or lane_init is not None or checkpoints is not None):
         raise ValueError("map_mode: qg, aqk, lane_init and checkpoints must be None")
+    if not map_mode and (chunk_start is None or chunk_len is None or num_tokens is None):
+        raise ValueError("chunk_start, chunk_len, num_tokens: required for the outputs (map_mode=False)")
     channel, chunk = per_channel_decay, CHUNK
     num_v_heads, num_chunks, chunk_in, head_k = w.shape
     head_v = u.shape[-1]
@@ -370,8 +411,21 @@ def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ch
     stages = _stages(head_k, dtype, map_mode=map_mode, has_checkpoints=has_checkpoints, publish_slots=publish_slots,
                      stages=stages)
 
-    inputs = [lane_first.astype(jnp.int32), lane_count.astype(jnp.int32), decays.astype(_F32), w, u, kd]
-    inputs += [] if map_mode else [qg, aqk]
+    lane_first, lane_count = lane_first.astype(jnp.int32), lane_count.astype(jnp.int32)
+    grid_lanes = num_lanes
+    extra = []
+    if not map_mode:
+        # one more lane, empty, whose CTAs write zeros over the tokens past the last lane's last chunk (padding)
+        chunk_start, chunk_len = chunk_start.astype(jnp.int32), chunk_len.astype(jnp.int32)
+        last = lane_first + lane_count - 1
+        ends = jnp.where(lane_count > 0, chunk_start[jnp.maximum(last, 0)] + chunk_len[jnp.maximum(last, 0)], 0)
+        pad_start = jnp.max(ends, initial=0)
+        extra = [chunk_start, chunk_len, jnp.stack([pad_start, num_tokens - pad_start]).astype(jnp.int32)]
+        lane_first, lane_count = (jnp.concatenate([x, jnp.zeros(1, jnp.int32)]) for x in (lane_first, lane_count))
+        lane_init = None if lane_init is None else jnp.concatenate([lane_init, jnp.zeros_like(lane_init[:1])])
+        grid_lanes += 1
+    inputs = [lane_first, lane_count, decays.astype(_F32), w, u, kd]
+    inputs += [] if map_mode else [qg, aqk, *extra]
     if has_init:
         init = lane_init.astype(_F32)
         inputs.append(init if state_layout == "vk" else init.swapaxes(-1, -2))  # [L, HV, V, K]
@@ -380,10 +434,10 @@ def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ch
                    checkpoints.checkpoint_pos.astype(jnp.int32), _checkpoint_keys(checkpoints, num_ckpt, chunk)]
         inputs += [checkpoints.G.astype(_F32)] if channel else []
 
-    end_type = jax.ShapeDtypeStruct((num_lanes, num_v_heads, width, head_k), _F32)
+    end_type = jax.ShapeDtypeStruct((grid_lanes, num_v_heads, width, head_k), _F32)
     out_type = [end_type]
     if not map_mode:
-        out_type = [jax.ShapeDtypeStruct((num_chunks, chunk, num_v_heads, head_v), dtype), end_type,
+        out_type = [jax.ShapeDtypeStruct((num_tokens, num_v_heads, head_v), dtype), end_type,
                     jax.ShapeDtypeStruct((max(num_ckpt, 1), num_v_heads, head_v, head_k), _F32)]
     consumers = 1 if map_mode else 2
     scratch = dict(
@@ -397,7 +451,7 @@ def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ch
             qg_s=tiles.swizzled((stages, chunk, head_k), dtype), aqk_s=tiles.swizzled((stages, chunk, chunk), dtype),
             s_pub=tiles.swizzled((publish_slots, BLOCK_V, head_k), dtype),
             vn_pub=tiles.swizzled((publish_slots, chunk, BLOCK_V), dtype),
-            o_s=tiles.swizzled((chunk, BLOCK_V), dtype),
+            o_s=tiles.token_staging((chunk, BLOCK_V), dtype),
             s_ready=plgpu.Barrier(num_barriers=publish_slots), s_free=plgpu.Barrier(num_barriers=publish_slots))
     if has_checkpoints:
         scratch.update(kr_hi=tiles.swizzled((chunk, head_k), dtype), kr_lo=tiles.swizzled((chunk, head_k), dtype),
@@ -408,9 +462,10 @@ def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ch
 
     body = functools.partial(_lanes_kernel, chunk=chunk, group=group, channel=channel, stages=stages,
                              publish_slots=publish_slots, map_mode=map_mode, has_init=has_init,
-                             has_checkpoints=has_checkpoints, terms=state_terms)
+                             has_checkpoints=has_checkpoints, terms=state_terms, interpret=bool(interpret),
+                             pad_lane=grid_lanes - 1)
     kernel = plgpu.kernel(
-        body, out_type=tuple(out_type), scratch_types=scratch, grid=(num_lanes, num_v_heads, width // BLOCK_V),
+        body, out_type=tuple(out_type), scratch_types=scratch, grid=(grid_lanes, num_v_heads, width // BLOCK_V),
         grid_names=("l", "h", "j"), num_threads=consumers + 1, thread_name="wg",
         # Lane semantics: SMEM tiles keep exactly the transforms given above (wgmma and TMA need them)
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -421,13 +476,14 @@ def state_lanes(lane_first, lane_count, decays, w, u, kd, qg, aqk, lane_init, ch
     if map_mode:
         return kv(outs[0])
     o, lane_end, checkpoint_states = outs
-    return o, kv(lane_end), kv(checkpoint_states)
+    return o, kv(lane_end[:num_lanes]), kv(checkpoint_states)
 
 
 def state_pass_v2(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False, stages=None, publish_slots=1,
                   state_terms=2):
-    """`pallas_mosaic_gpu_delta.state_pass` (same arguments and results) on `state_lanes`, one lane per row;
-    `stages`, `publish_slots`, `state_terms` tune `state_lanes`."""
+    """`pallas_mosaic_gpu_delta.state_pass` (same arguments) on `state_lanes`, one lane per row; `stages`,
+    `publish_slots`, `state_terms` tune `state_lanes`. Returns (o [T', HV, V] in token order, padding tokens zero,
+    final fp32 [N, HV, K, V], checkpoints fp32 [max(M, 1), HV, K, V], padded entries unspecified)."""
     lay, chunk = p.lay, CHUNK
     num_chunks = w.shape[1]
     checkpoints = None
@@ -435,6 +491,7 @@ def state_pass_v2(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=Fa
         ck_start, ck_count = triton_delta._checkpoint_ranges(lay, num_chunks)
         checkpoints = Checkpoints(ck_start, ck_count, lay.checkpoint_pos, p.k, lay.chunk_start, lay.chunk_len, p.G)
     decays = p.G[:, :, chunk - 1, :] if per_channel_decay else p.G  # KDA: G_last [HV, NC, K]; GDN: G rows
-    return state_lanes(lay.row_first_chunk, lay.row_num_chunks, decays, w, u, kd, qg, aqk, init, checkpoints,
-                       per_channel_decay=per_channel_decay, group=w.shape[0] // p.q.shape[1], interpret=interpret,
-                       stages=stages, publish_slots=publish_slots, state_terms=state_terms)
+    return state_lanes(lay.row_first_chunk, lay.row_num_chunks, lay.chunk_start, lay.chunk_len, decays, w, u, kd, qg,
+                       aqk, init, checkpoints, per_channel_decay=per_channel_decay, group=w.shape[0] // p.q.shape[1],
+                       num_tokens=p.q.shape[0], interpret=interpret, stages=stages, publish_slots=publish_slots,
+                       state_terms=state_terms)

@@ -1,7 +1,8 @@
 """Pieces shared by the Pallas Mosaic GPU kernels (the intra passes `pallas_mosaic_gpu_intra` for GDN and
 `pallas_mosaic_gpu_kda_intra` for KDA, the state passes `pallas_mosaic_gpu_delta`, `pallas_mosaic_gpu_state`,
 `pallas_mosaic_gpu_gdn_fused`, and SSD's `jaxckpt.ops.ssd.pallas_mosaic_gpu`): SMEM tile layouts, WGMMA-layout index
-helpers, hi + lo operand splits, the wgmma product sums and the TMA ring's producer loop. Written against jax 0.11.2."""
+helpers, hi + lo operand splits, the wgmma product sums, the TMA ring's producer loop and the stores of an output into
+the packed token layout (`token_staging`, `store_rows`, `store_zeros`). Written against jax 0.11.2."""
 
 from __future__ import annotations
 
@@ -22,6 +23,22 @@ def swizzled(shape, dtype):
     swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
                                                 plgpu.SwizzleTransform(swizzle)))
+
+
+def token_staging(shape, dtype):
+    """One SMEM staging tile [C, 64] (16-bit) for an output that leaves in the packed token layout, as a
+    `plgpu.RefUnion` of three views of the same bytes: (untiled 128-byte-swizzled, the TMA source of a whole chunk at
+    any GMEM row; tiled and swizzled, what WGMMA-layout registers are stored through; plain, the source of
+    `store_rows`). For 64 two-byte columns (one 128-byte swizzle row) the first two are the same layout (checked on
+    the H200 by bench/mosaic_gpu_refunion_probe.py), so a chunk is stored through the tiled view and leaves through
+    the untiled one; a TMA from a *tiled* view at a GMEM row off the 8-row grid drops rows on the GPU. The plain view
+    is written only for a partial chunk, never read through another view. Mosaic GPU's interpreter keeps the views
+    apart (no aliasing), so under `interpret` a whole chunk leaves through the tiled view (the interpreter copies any
+    rows)."""
+    if shape[-1] * jnp.dtype(dtype).itemsize != 128:
+        raise ValueError(f"shape: token staging needs 128-byte rows (64 16-bit columns), got {shape} of {dtype}")
+    return plgpu.RefUnion(plgpu.SMEM(shape, dtype, transforms=(plgpu.SwizzleTransform(128),)), swizzled(shape, dtype),
+                          plgpu.SMEM(shape, dtype))
 
 
 def load(ref, layout=WG):
@@ -100,6 +117,42 @@ def matmuls(*products, during=None):
 
 def matmul(shape, pairs, during=None):
     return matmuls((shape, pairs), during=during)[0]
+
+
+def store_rows(rows_s, dst, start, length):
+    """Rows [0, length) of the plain (untiled, unswizzled) SMEM tile rows_s [R, W] to the GMEM rows [start, start +
+    length) of dst [T, W], for R a power of two and 0 <= length < R: one TMA box per set bit of length (R / 2, ...,
+    1 rows).
+
+    Why boxes: a TMA store cannot be masked by rows, and the rows past `length` belong to the next row of tokens or
+    to padding. Why a plain tile: the boxes start at any of its rows, with no tiling or swizzle atom to line up with.
+    A start off dst's 8-row grid is fine (dst is not tiled)."""
+    offset = 0
+    bit = rows_s.shape[0] // 2
+    while bit:
+        @pl.when(lax.bitwise_and(length, bit) != 0)
+        def _():
+            plgpu.copy_smem_to_gmem(rows_s.at[pl.ds(offset, bit)], dst.at[pl.ds(start + offset, bit)])
+
+        offset = offset + lax.bitwise_and(length, bit)
+        bit //= 2
+
+
+def store_zeros(rows_s, dst, start, length):
+    """Zeros over the GMEM rows [start, start + length) of dst [T, W] (any length), from the plain SMEM tile rows_s
+    [R, W] (overwritten with zeros): whole boxes of R rows, then `store_rows` for the rest. The caller waits for the
+    stores (`plgpu.wait_smem_to_gmem`) before the CTA ends."""
+    height = rows_s.shape[0]
+    rows_s[...] = plgpu.layout_cast(jnp.zeros(rows_s.shape, rows_s.dtype), WG)
+    plgpu.commit_smem()
+
+    def whole(i, carry):
+        plgpu.copy_smem_to_gmem(rows_s, dst.at[pl.ds(start + i * height, height)])
+        return carry
+
+    lax.fori_loop(0, lax.div(length, height), whole, 0)
+    rest = lax.rem(length, height)
+    store_rows(rows_s, dst, start + length - rest, rest)
 
 
 def half_pairs(s):
