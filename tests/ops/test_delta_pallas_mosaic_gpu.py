@@ -263,12 +263,14 @@ def test_supports_sizes_the_launch_grids_from_the_rows():
 
 
 def test_defaults_run_the_lanes_pass_against_float64():
-    """Left-out options: the lanes state pass with pieces from the shapes; GDN's Mosaic GPU intra, KDA's Triton one."""
+    """Left-out options: the lanes state pass with pieces from the shapes and one term per chain product; the Mosaic
+    GPU intra when the op normalizes q and k."""
     assert mosaic_delta.default_tuning(per_channel_decay=False) == dict(intra="mosaic_gpu", state="v2", pieces="auto",
-                                                                            state_terms=2)
-    assert mosaic_delta.default_tuning(per_channel_decay=True) == dict(intra="pallas_triton", state="v2", pieces="auto",
-                                                                           state_terms=2)
-    assert mosaic_delta.default_tuning(per_channel_decay=False, state="v1")["pieces"] == 1
+                                                                        state_terms=1)
+    assert mosaic_delta.default_tuning(per_channel_decay=True) == dict(intra="mosaic_gpu", state="v2", pieces="auto",
+                                                                       state_terms=1)
+    assert mosaic_delta.default_tuning(per_channel_decay=False, state="v1") == dict(
+        intra="mosaic_gpu", state="v1", pieces=1, state_terms=2)
     # the Mosaic GPU GDN intra's fp16 inverse relies on unit keys: without the op's normalization, the Triton one
     assert mosaic_delta.default_tuning(per_channel_decay=False, use_qk_l2norm=False)["intra"] == "pallas_triton"
     inputs, options = make_case(np.random.default_rng(), per_channel=False, layout="kv")

@@ -120,16 +120,15 @@ def _is_hopper() -> bool:
 
 
 def default_tuning(*, per_channel_decay, state=None, use_qk_l2norm=True):
-    """What the options left out mean (measured on the H200, bench/README.md "Pallas Mosaic GPU, version 2"): the
-    lanes state pass with the sequence split chosen from the shapes; GDN's Mosaic GPU intra pass (at FLA's error on
-    the parity problem, 2.9x faster than the Triton one) when the op normalizes q and k itself (its fp16 inverse
-    relies on unit keys and beta <= 1, `pallas_mosaic_gpu_intra`), else the Triton one; KDA's Triton intra pass (the
-    Mosaic GPU one, 2.6x faster, adds output error past FLA's: `kda_score_parts` and `intra="mosaic_gpu"` name it).
-    `state` given: its pieces."""
+    """What the options left out mean (measured on the H200, bench/README.md "Pallas Mosaic GPU, version 2" and
+    "Session 6"): the lanes state pass with the sequence split chosen from the shapes and one 16-bit term per product
+    on the state chain (`state_terms=1`, FLA's precision: 17-19% less device time for GDN at one row, states still
+    below FLA's error on the parity problem); the Mosaic GPU intra pass (GDN: 2.9x faster than the Triton one; KDA:
+    fp16 score operands, 2.6x faster) when the op normalizes q and k itself (their fp16 inverses rely on unit keys and
+    beta <= 1, `pallas_mosaic_gpu_intra`), else the Triton one. `state` given: its pieces."""
     state = state or "v2"
-    mosaic_intra_default = use_qk_l2norm and not per_channel_decay
-    return dict(intra="mosaic_gpu" if mosaic_intra_default else "pallas_triton", state=state,
-                pieces=1 if state == "v1" else "auto", state_terms=2)
+    return dict(intra="mosaic_gpu" if use_qk_l2norm else "pallas_triton", state=state,
+                pieces=1 if state == "v1" else "auto", state_terms=2 if state == "v1" else 1)
 
 
 def _state_reason(state, pieces, state_terms=2) -> str | None:
