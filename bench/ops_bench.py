@@ -17,7 +17,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from bench.common import Recorder, implementation_spec, jax_device_time, jax_time, torch_time  # noqa: E402
+from bench.common import Recorder, implementation_spec, jax_device_fields, jax_time, torch_time  # noqa: E402
 
 DELTA_SHAPES = [(1, 8192, 16), (1, 32768, 16), (8, 4096, 32)]
 VARLEN_MIX = [1024, 2048, 7168, 3072, 512, 9216, 4096, 5632]      # 8 rows, 32768 tokens, H = 16
@@ -80,7 +80,7 @@ def bench_ours_delta(rec, kind, impl, lengths, H, D, shape_label, modes):
         try:
             t = jax_time(f, *args, jnp.asarray(ccu), jnp.asarray(offsets))
             if DEVICE_TIME:
-                t["device_ms"] = jax_device_time(f, *args, jnp.asarray(ccu), jnp.asarray(offsets))
+                t.update(jax_device_fields(f, *args, jnp.asarray(ccu), jnp.asarray(offsets)))
             rec.add(op=kind, implementation=spec, shape=shape_label, rows=list(lengths), checkpoints=mode,
                     num_checkpoints=int(offsets.size), dtype="bf16", **t)
         except Exception as error:  # noqa: BLE001 - record the failure and go on
@@ -160,7 +160,7 @@ def bench_jla_delta(rec, kind, impl, lengths, H, D, shape_label):
     args = (bf(q), bf(k), bf(v), jnp.asarray(shp(g)), jnp.asarray(shp(beta)), jnp.asarray(h0))
     t = jax_time(f, *args)
     if DEVICE_TIME:
-        t["device_ms"] = jax_device_time(f, *args)
+        t.update(jax_device_fields(f, *args))
     rec.add(op=kind, implementation=f"jla_{impl}", shape=shape_label, rows=list(lengths), checkpoints="none",
             dtype="bf16", **t)
 
@@ -217,7 +217,7 @@ def bench_ours_ssd(rec, impl, T, H, modes, N=128, P=64):
                     jnp.asarray(offsets))
             t = jax_time(f, *args)
             if DEVICE_TIME:
-                t["device_ms"] = jax_device_time(f, *args)
+                t.update(jax_device_fields(f, *args))
             rec.add(op="ssd", implementation=spec, shape={"T": T, "H": H, "P": P, "N": N, "G": 1}, checkpoints=mode,
                     num_checkpoints=int(offsets.size), dtype="bf16", **t)
         except Exception as error:  # noqa: BLE001
@@ -232,7 +232,7 @@ def bench_ours_ssd(rec, impl, T, H, modes, N=128, P=64):
         args = (bf(x), bf(dt), jnp.asarray(A), bf(B), bf(C), jnp.asarray(h0))
         t = jax_time(f, *args)
         if DEVICE_TIME:
-            t["device_ms"] = jax_device_time(f, *args)
+            t.update(jax_device_fields(f, *args))
         rec.add(op="ssd", implementation=spec, shape={"T": T, "H": H, "P": P, "N": N, "G": 1, "batched": True},
                 checkpoints="none", dtype="bf16", **t)
     except Exception as error:  # noqa: BLE001
@@ -272,7 +272,7 @@ def bench_peers_ssd(rec, peers, T, H, N=128, P=64):
         args = (bf(Cq), bf(Bk), bf(v), jnp.asarray(g[None]), jnp.asarray(h0_kv))
         t = jax_time(f, *args)
         if DEVICE_TIME:
-            t["device_ms"] = jax_device_time(f, *args)
+            t.update(jax_device_fields(f, *args))
         rec.add(op="ssd", implementation="jla_mosaic_gpu_simple_gla", shape=shape, checkpoints="none", dtype="bf16",
                 **t)
 
@@ -290,7 +290,8 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny shapes")
     parser.add_argument("--no-varlen", action="store_true")
     parser.add_argument("--device-time", action="store_true",
-                        help="also the summed GPU kernel time per call of the JAX rows (profiler trace)")
+                        help="also, for the JAX rows, the summed GPU kernel time per call (profiler trace), the "
+                             "largest kernels and the pipelined time per call (bench.common.jax_device_fields)")
     parser.add_argument("--shapes", nargs="*", default=None,
                         help="only these delta shapes: B,T,H triples and/or 'varlen' (default: all)")
     args = parser.parse_args(argv)
