@@ -70,8 +70,9 @@ Kernels:
    arguments and return contract except that o comes in token order (padding tokens zero), not chunk-major.
 
 SMEM (K = V = 128, bf16): a ring slot holds q, k (16 KB each), v's column block and T0 / Ag (8 KB each) and the G,
-beta rows: 48.5 KB; fixed: published S^T_hi 2 x 16 KB, v_new_hi 2 x 8 KB, P 8 KB, O staging 8 KB (three views of
-one tile); checkpoint kr tiles 2 x 16 KB. 3 slots without checkpoints (210 KB), 2 with (194 KB); map_mode and K = 64 take 4 (`_stages`).
+beta rows: 48.5 KB; fixed: published S^T_hi 2 x 16 KB, v_new_hi 2 x 8 KB, P 8 KB, O staging 8 KB (three views of one
+tile); checkpoint kr tiles 2 x 16 KB. 3 slots without checkpoints (210 KB), 2 with (194 KB); map_mode and K = 64 take
+4 (`_stages`).
 
 Interpret mode (`interpret=True` or a `plgpu.InterpretGPUParams`): Mosaic GPU's interpreter reads a wgmma's A
 operand only from SMEM, so there every register operand takes a detour through a scratch tile (`tiles.lhs`); its wgmma

@@ -79,12 +79,13 @@ expf; denormal results flush to 0, an underflow as above.
 Precision. 16-bit inputs: the score operands X, Y are rounded once to fp16 (`score_parts=1`, `score_dtype="float16"`,
 the defaults: one wgmma per slab product, ~2^-12 relative per operand, the class of the Triton kernel's TF32 scores),
 to the input dtype (`score_dtype="input"`: ~2^-9 for bf16, as jla's KDA kernels) or split (`score_parts=2`: hi.hi +
-hi.lo + lo.hi, ~2^-16 with bf16 parts). fp16 has the range for it: every factor of E_s is exp(x <= 0) <= 1, so
-|X| <= |k| and |Y| <= |q| (unit vectors when the op normalizes q and k, as the layers call it; any |q|, |k| below
-fp16's 65504 stays finite), and a factor that falls below fp16's normal range (6e-5) keeps an absolute error of at
-most 2^-25, next to scores of unit vectors; on the H200 parity problem bf16 operands gave KDA's output 4.10e-3
-rel-RMS against float64 and split ones 3.66e-3 (FLA 3.67e-3), at twice the score time (`bench/README.md`); W and U use 16-bit right-hand sides (as FLA;
-the Triton kernel's are TF32) and T rounded once to the input dtype (fp16 inverse) or split (split inverse);
+hi.lo + lo.hi, ~2^-16 with bf16 parts). fp16 has the range for it: every factor of E_s is exp(x <= 0) <= 1, so |X| <=
+|k| and |Y| <= |q| (unit vectors when the op normalizes q and k, as the layers call it; any |q|, |k| below fp16's
+65504 stays finite), and a factor that falls below fp16's normal range (6e-5) keeps an absolute error of at most
+2^-25, next to scores of unit vectors; on the H200 parity problem bf16 operands gave KDA's output 4.10e-3 rel-RMS
+against float64 and split ones 3.66e-3 (FLA 3.67e-3), at twice the score time (`bench/README.md`); W and U use 16-bit
+right-hand sides (as FLA; the Triton kernel's are TF32) and T rounded once to the input dtype (fp16 inverse) or split
+(split inverse);
 outputs are rounded to the input dtype. Measured in the interpreter (bf16, K = V = 64, rel-RMS vs float64): W, U
 ~2.3e-3 with either inverse (Triton 1.6e-3), AQK 2.5e-3 with score_parts 1 and 1.6e-3 with 2 (Triton 1.6e-3, the
 output rounding). fp32 inputs: every operand is split (score_parts 2, split inverse), ~3e-6 relative (the Triton

@@ -24,9 +24,9 @@ Design, per grid point (lane, value head, column block j of BV = 64 columns of S
   warpgroup publishes into double-buffered SMEM (B operands: the transposed view of S^T_hi, v_new_hi stored
   through a transposed view), stages O and TMA-stores it straight into the token layout o [T, HV, V] ("O" below).
   The state warpgroup publishes S^T_hi while the v_new wgmma runs and v_new^T_hi while the update wgmma runs, and
-  waits for the output warpgroup only before reusing a published buffer two chunks later. A ring slot is refilled once both consumers have released it (`in_free`,
-  two arrivals). All three warpgroups meet at a final barrier: a warpgroup exiting while another still issues
-  wgmmas has faulted on sm_90 with jax 0.11.2.
+  waits for the output warpgroup only before reusing a published buffer two chunks later. A ring slot is refilled
+  once both consumers have released it (`in_free`, two arrivals). All three warpgroups meet at a final barrier: a
+  warpgroup exiting while another still issues wgmmas has faulted on sm_90 with jax 0.11.2.
 - Checkpoints: a chunk with ck_count[c] > 0 forms, for each of its checkpoints at chunk position r,
   exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T (r = 0: S itself), as version 1: kr = k exp(G_{r-1} -
   G) with rows i >= r masked to 0 before use (a select: NaN in padding stays out), kr split into hi + lo SMEM tiles,
@@ -60,15 +60,15 @@ Design, per grid point (lane, value head, column block j of BV = 64 columns of S
   the identity's columns and take u = 0, the rest read u's block j - K / 64 and start from 0); no output warpgroup
   (`num_threads=2`), no qg / aqk / o, no checkpoints.
 
-SMEM at K = V = 128, bf16 (`_stages`): ring slots of 64.5 KB, published S^T_hi (16 KB) and v_new_hi (8 KB) tiles
-per publish slot, one O staging tile of 8 KB (three views of the same bytes; its TMA stores have read it long
-before the next chunk's O is ready), checkpoint kr tiles 2 x 16 KB (only with checkpoints), within the 227 KB. With `publish_slots=1` (the default; the
-state warpgroup waits for the output warpgroup's previous chunk before publishing) the ring takes 3 slots without
-checkpoints (226 KB) and 2 with them; with 2 publish slots, 2 slots (185 / 217 KB). K = 64 and map_mode take 4
-slots; `stages` forces a depth. A 2-slot ring leaves one chunk period to hide a load's latency. Measured on the H200
-(`bench/results/mosaic_gpu_state_h200.log`): ~1.65 us per chunk step (version 1: 2.5 us); `publish_slots=1` was
-faster in 6 of 8 cases (KDA with 8 checkpoints per row at 8K: 0.452 vs 0.566 ms; GDN (8, 4096, 32): 0.438 vs
-0.449 ms; within 4% elsewhere). Each waiter observes every phase of its barriers before the
+SMEM at K = V = 128, bf16 (`_stages`): ring slots of 64.5 KB, published S^T_hi (16 KB) and v_new_hi (8 KB) tiles per
+publish slot, one O staging tile of 8 KB (three views of the same bytes; its TMA stores have read it long before the
+next chunk's O is ready), checkpoint kr tiles 2 x 16 KB (only with checkpoints), within the 227 KB. With
+`publish_slots=1` (the default; the state warpgroup waits for the output warpgroup's previous chunk before
+publishing) the ring takes 3 slots without checkpoints (226 KB) and 2 with them; with 2 publish slots, 2 slots (185 /
+217 KB). K = 64 and map_mode take 4 slots; `stages` forces a depth. A 2-slot ring leaves one chunk period to hide a
+load's latency. Measured on the H200 (`bench/results/mosaic_gpu_state_h200.log`): ~1.65 us per chunk step (version 1:
+2.5 us); `publish_slots=1` was faster in 6 of 8 cases (KDA with 8 checkpoints per row at 8K: 0.452 vs 0.566 ms; GDN
+(8, 4096, 32): 0.438 vs 0.449 ms; within 4% elsewhere). Each waiter observes every phase of its barriers before the
 CTA ends (the `drain` loops): the interpreter checks it when a barrier is deallocated.
 
 Interpret mode: Mosaic GPU's interpreter (jax 0.11.2) reads a wgmma's A operand only from SMEM, so under
@@ -244,7 +244,8 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
             if map_mode:
                 u_t = jnp.where(identity, jnp.zeros_like(u_t), u_t)
             if channel:
-                decay = tiles.by_col(jnp.exp(tiles.load(dec_s.at[slot], _COL)), state_shape)  # G_last per key: columns of S^T
+                # G_last per key: the columns of S^T
+                decay = tiles.by_col(jnp.exp(tiles.load(dec_s.at[slot], _COL)), state_shape)
             else:
                 decay = jnp.exp(dec_s[slot, chunk - 1])  # padded rows have g = 0: the last real token's G
 
