@@ -4,9 +4,11 @@ time per call, per-kernel breakdown, and our output against the Triton SSD's.
 
 Ours runs as users call it: x [T, H, P] with cu_seqlens traced (the gathered chunk-major layout) or batched
 [1, T, H, P] (cu_seqlens None: metadata known on the host), an initial state, and optionally one checkpoint at
-the row's last 1024-token boundary.
+the row's last 1024-token boundary. `--z` passes a random gate z [T, H, P] (bf16) to our calls (fused into both
+kernels' outputs); jla's simple GLA has no gate and runs without it.
 
     python -m bench.mosaic_gpu_ssd_quick --shapes 8192,128 32768,32 --out r.json
+    python -m bench.mosaic_gpu_ssd_quick --z
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", nargs="+", default=["8192,128", "32768,32"])
     parser.add_argument("--pieces", nargs="+", default=["auto"])
+    parser.add_argument("--z", action="store_true", help="pass a random gate z [T, H, P]: y * silu(z)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -51,7 +54,8 @@ def main(argv=None):
         T, H = (int(v) for v in shape.split(","))
         x, dt, A, B, C, h0 = ssd_inputs(T, H, 128, 64)
         bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
-        arrays = (bf(x), bf(dt), jnp.asarray(A), bf(B), bf(C), jnp.asarray(h0))
+        z = bf(np.random.default_rng(1).standard_normal(x.shape)) if args.z else None
+        arrays = (bf(x), bf(dt), jnp.asarray(A), bf(B), bf(C), jnp.asarray(h0), z)
         cu = jnp.asarray([0, T], jnp.int32)
         ccu, off = jnp.asarray([0, 1], jnp.int32), jnp.asarray([(T - 1) // 1024 * 1024], jnp.int32)
         results = {}
@@ -59,8 +63,8 @@ def main(argv=None):
                                                                                 int(p)}) for p in args.pieces]:
             name = impl if options is None else f"{impl}@pieces={options['pieces']}"
             for ckpt in (False, True):
-                f = jax.jit(lambda x, dt, A, B, C, h0, cu, ccu, off, impl=impl, options=options, ckpt=ckpt: ops.ssd(
-                    x, dt, A, B, C, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu if ckpt else None,
+                f = jax.jit(lambda x, dt, A, B, C, h0, z, cu, ccu, off, impl=impl, options=options, ckpt=ckpt: ops.ssd(
+                    x, dt, A, B, C, z=z, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu if ckpt else None,
                     checkpoint_offsets=off if ckpt else None, implementation=impl, kernel_options=options))
                 out = f(*arrays, cu, ccu, off)
                 results[(name, ckpt)] = out
@@ -70,10 +74,12 @@ def main(argv=None):
                     extra = {f"vs_triton_{n}": float(jnp.linalg.norm((a - b).astype(jnp.float32))
                                                      / jnp.linalg.norm(b.astype(jnp.float32)))
                              for n, a, b in zip(("y", "final", "ckpt"), out, ref) if b.size}
-                record(f"{name} traced_cu ckpt={ckpt}", shape, f, *arrays, cu, ccu, off, out=extra)
-        f = jax.jit(lambda x, dt, A, B, C, h0: ops.ssd(x[None], dt[None], A, B[None], C[None], initial_state=h0,
-                                                        implementation="pallas_mosaic_gpu"))
-        record("pallas_mosaic_gpu batched", shape, f, *arrays)
+                record(f"{name} traced_cu ckpt={ckpt}{' z' if args.z else ''}", shape, f, *arrays, cu, ccu, off,
+                       out=extra)
+        f = jax.jit(lambda x, dt, A, B, C, h0, z: ops.ssd(x[None], dt[None], A, B[None], C[None],
+                                                           z=None if z is None else z[None], initial_state=h0,
+                                                           implementation="pallas_mosaic_gpu"))
+        record(f"pallas_mosaic_gpu batched{' z' if args.z else ''}", shape, f, *arrays)
         try:
             from jla.ops import linear_attention
 

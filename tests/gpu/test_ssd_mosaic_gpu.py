@@ -1,6 +1,7 @@
 """The Mosaic GPU SSD on the H200 at real head sizes: against the float64 reference on the same bf16 inputs (varlen
 rows off the chunk grid, checkpoints inside chunks, NaN padding tokens, a last chunk reaching past the last
-token), with the sequence split, and batched rows; outputs and final states bitwise unchanged by checkpoints.
+token), with the sequence split, and batched rows; outputs and final states bitwise unchanged by checkpoints; the z
+gate fused into the kernel rounds y once.
 
 Run on the GPU machine: `JAXCKPT_GPU_TESTS=1 JAX_PLATFORMS=cuda python -m pytest -q -s tests/gpu/test_ssd_mosaic_gpu.py`.
 """
@@ -18,7 +19,7 @@ def rel_rms(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def problem(seed, lengths, heads, groups, P=64, N=128, padding=7):
+def problem(seed, lengths, heads, groups, P=64, N=128, padding=7, gate=False):
     import jax.numpy as jnp
 
     rng = np.random.default_rng(seed)
@@ -32,6 +33,10 @@ def problem(seed, lengths, heads, groups, P=64, N=128, padding=7):
                   C=bf(rng.standard_normal((T, groups, N)) / np.sqrt(N)),
                   D=jnp.asarray(rng.standard_normal(heads), jnp.float32),
                   dt_bias=jnp.asarray(rng.standard_normal(heads) * 0.5, jnp.float32))
+    if gate:
+        z = rng.standard_normal((T, heads, P))
+        z[sum(lengths):] = np.nan
+        arrays["z"] = bf(z)
     h0 = (rng.standard_normal((len(lengths), heads, P, N)) * 0.1).astype(np.float32)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     return arrays, h0, cu
@@ -63,6 +68,36 @@ def test_varlen_checkpoints_against_float64(pieces, padding):
                                           pieces=pieces))(jnp.asarray(cu))
     np.testing.assert_array_equal(np.asarray(plain[0], np.float32), np.asarray(got[0], np.float32))
     np.testing.assert_array_equal(np.asarray(plain[1]), np.asarray(got[1]))
+
+
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_fused_gate_against_float64(pieces):
+    """y * silu(z) in the output warpgroup (NaN z in the padding tokens and past the last row's partial chunk): one
+    bf16 rounding, below gating the kernel's rounded y and rounding again; the states do not see the gate."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxckpt.ops.ssd import pallas_mosaic_gpu as mosaic
+    from jaxckpt.ops.ssd.reference import ssd as reference
+
+    lengths = [3001, 1, 700, 2000]
+    arrays, h0, cu = problem(7, lengths, heads=8, groups=2, padding=7, gate=True)
+    meta = dict(cu_seqlens=cu, checkpoint_cu=np.array([0, 2, 2, 3, 3], np.int32),
+                checkpoint_offsets=np.array([1000, 2999, 65], np.int32))
+    expected = reference(**arrays, initial_state=h0, **meta)
+    run = jax.jit(lambda z: mosaic.ssd(**{**arrays, "z": z}, initial_state=jnp.asarray(h0), **meta, pieces=pieces))
+    got, plain = run(arrays["z"]), run(None)
+    valid = cu[-1]
+    z = np.asarray(arrays["z"], np.float32)[:valid]
+    unfused = np.asarray(jnp.asarray(np.asarray(plain[0], np.float32)[:valid] * z / (1 + np.exp(-z)), jnp.bfloat16))
+    errors = (rel_rms(got[0][:valid], expected[0][:valid]), rel_rms(unfused, expected[0][:valid]),
+              rel_rms(got[1], expected[1]), rel_rms(got[2], expected[2]))
+    print(f"ssd mosaic z pieces={pieces} y fused {errors[0]:.2e} gated after rounding {errors[1]:.2e} "
+          f"final {errors[2]:.2e} checkpoints {errors[3]:.2e}")
+    assert errors[0] < TOL and errors[0] < 0.9 * errors[1] and errors[2] < 1e-4 and errors[3] < 1e-4, errors
+    assert np.all(np.asarray(got[0][valid:], np.float32) == 0)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(plain[1]))
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(plain[2]))
 
 
 def test_batched_rows_against_float64():

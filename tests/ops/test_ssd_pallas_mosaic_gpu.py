@@ -1,7 +1,7 @@
 """The Mosaic GPU SSD (`jaxckpt.ops.ssd.pallas_mosaic_gpu`) in Mosaic GPU's CPU interpreter against the float64
 token-by-token reference on the same 16-bit inputs; checkpoints leave outputs and final states bitwise unchanged;
-the sequence split and the aligned layout give the plain pass's results; unsupported calls name their reason. The
-sm_90 lowering is checked by exporting for CUDA.
+the sequence split and the aligned layout give the plain pass's results; the z gate, fused into the output warpgroup,
+rounds y once; unsupported calls name their reason. The sm_90 lowering is checked by exporting for CUDA.
 
 Tolerances: the interpreter's wgmma is an fp32 matmul of the 16-bit tiles, so the carried state (hi + lo operands)
 lands near fp32 rounding, while y rounds P and the published state to 16 bits, as the GPU does (rel-RMS ~1e-3 for
@@ -35,20 +35,25 @@ def rel_rms(actual, expected):
     return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
 
 
-def make_inputs(rng, num_tokens, num_groups, cu_seqlens, layout="vk"):
+def make_inputs(rng, num_tokens, num_groups, cu_seqlens, layout="vk", *, gate=False):
     num_rows = cu_seqlens.size - 1
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     x = rng.normal(size=(num_tokens, HEADS, P))
     x[cu_seqlens[-1]:] = np.nan  # padding tokens: must stay out of every result
     state = rng.normal(size=(num_rows, HEADS, P, N)) * 0.3
-    return dict(x=bf(x), dt=jnp.asarray(rng.normal(size=(num_tokens, HEADS)) - 1.0, jnp.float32),
-                A=jnp.asarray(-rng.uniform(0.3, 2.0, size=HEADS), jnp.float32),
-                B=bf(rng.normal(size=(num_tokens, num_groups, N)) * 0.3),
-                C=bf(rng.normal(size=(num_tokens, num_groups, N)) * 0.3),
-                D=jnp.asarray(rng.normal(size=HEADS), jnp.float32),
-                dt_bias=jnp.asarray(rng.normal(size=HEADS) * 0.5, jnp.float32),
-                initial_state=jnp.asarray(state if layout == "vk" else state.swapaxes(-1, -2), jnp.float32),
-                cu_seqlens=cu_seqlens, state_layout=layout)
+    inputs = dict(x=bf(x), dt=jnp.asarray(rng.normal(size=(num_tokens, HEADS)) - 1.0, jnp.float32),
+                  A=jnp.asarray(-rng.uniform(0.3, 2.0, size=HEADS), jnp.float32),
+                  B=bf(rng.normal(size=(num_tokens, num_groups, N)) * 0.3),
+                  C=bf(rng.normal(size=(num_tokens, num_groups, N)) * 0.3),
+                  D=jnp.asarray(rng.normal(size=HEADS), jnp.float32),
+                  dt_bias=jnp.asarray(rng.normal(size=HEADS) * 0.5, jnp.float32),
+                  initial_state=jnp.asarray(state if layout == "vk" else state.swapaxes(-1, -2), jnp.float32),
+                  cu_seqlens=cu_seqlens, state_layout=layout)
+    if gate:
+        z = rng.normal(size=(num_tokens, HEADS, P))
+        z[cu_seqlens[-1]:] = np.nan  # also the rows past the last row's partial chunk in its z tile
+        inputs["z"] = bf(z)
+    return inputs
 
 
 def check_against_reference(outputs, inputs, ckpt):
@@ -71,10 +76,11 @@ def fresh_rng():
     return np.random.default_rng(seed)
 
 
-@pytest.mark.parametrize("num_groups, layout, pieces", [(1, "vk", 1), (2, "kv", 3)])
-def test_varlen_with_checkpoints_matches_reference(num_groups, layout, pieces):
+@pytest.mark.parametrize("num_groups, layout, pieces, gate", [(1, "vk", 1, False), (2, "kv", 3, False),
+                                                              (2, "vk", 2, True)])
+def test_varlen_with_checkpoints_matches_reference(num_groups, layout, pieces, gate):
     rng = fresh_rng()
-    inputs = make_inputs(rng, NUM_TOKENS, num_groups, CU_SEQLENS, layout)
+    inputs = make_inputs(rng, NUM_TOKENS, num_groups, CU_SEQLENS, layout, gate=gate)
     ckpt = dict(checkpoint_cu=CHECKPOINT_CU, checkpoint_offsets=CHECKPOINT_OFFSETS)
     outputs = mosaic.ssd(**inputs, **ckpt, interpret=True, pieces=pieces)
     check_against_reference(outputs, inputs, ckpt)
@@ -105,6 +111,24 @@ def test_rows_on_the_chunk_grid_with_the_split_and_traced_metadata():
         assert rel_rms(a, b) <= STATE_TOL
 
 
+def test_the_gate_rounds_y_once():
+    """y * silu(z) in fp32 before y is rounded: against float64, one bf16 rounding (rel-RMS ~1.7e-3), where gating
+    the kernel's rounded y and rounding again (the former XLA pass) adds a second (~2.4e-3). A large per-channel D
+    makes D x dominate y, so the roundings, not the 16-bit products, set the error."""
+    rng = fresh_rng()
+    inputs = make_inputs(rng, NUM_TOKENS, 1, CU_SEQLENS, gate=True)
+    inputs["D"] = jnp.asarray(rng.uniform(2.0, 4.0, size=(HEADS, P)), jnp.float32)
+    valid = CU_SEQLENS[-1]
+    expected = np.asarray(reference.ssd(**inputs)[0])[:valid]
+    fused = np.asarray(mosaic.ssd(**inputs, interpret=True, pieces=1)[0], np.float64)[:valid]
+    plain = np.asarray(mosaic.ssd(**{**inputs, "z": None}, interpret=True, pieces=1)[0], np.float32)[:valid]
+    z = np.asarray(inputs["z"], np.float32)[:valid]
+    unfused = np.asarray(jnp.asarray(plain * z / (1 + np.exp(-z)), jnp.bfloat16), np.float64)
+    fused_error, unfused_error = rel_rms(fused, expected), rel_rms(unfused, expected)
+    print(f"y * silu(z) rel-RMS: fused {fused_error:.2e}, gated after rounding {unfused_error:.2e}")
+    assert fused_error < 0.8 * unfused_error
+
+
 def test_choose_pieces():
     assert mosaic.choose_pieces(1, 128, 64, 8192, num_sms=132) == 1
     assert mosaic.choose_pieces(1, 32, 64, 32768, num_sms=132) == 4
@@ -126,13 +150,19 @@ def test_supports_names_the_reason():
     assert mosaic.supports(**call, cu_seqlens=many_rows, pieces=1, interpret=True) is None
     assert mosaic.supports(**{**call, "x": call["x"][..., :32]}, interpret=True).startswith("P:")
     assert "16-bit" in mosaic.supports(**{**call, "x": call["x"].astype(jnp.float32)}, interpret=True)
+    assert mosaic.supports(**call, z=call["x"], interpret=True) is None
+    assert mosaic.supports(**call, z=call["x"].astype(jnp.float32), interpret=True).startswith("z:")
+    assert mosaic.supports(**call, z=call["x"][:, :1], interpret=True).startswith("z:")
     with pytest.raises(ValueError, match="16-bit"):
         mosaic.ssd(**{**inputs, "x": inputs["x"].astype(jnp.float32)}, interpret=True)
 
 
-@pytest.mark.parametrize("head_n", [64, 128])
-def test_lowers_for_sm90(monkeypatch, head_n):
-    """Both kernels (with checkpoints, and the split's state-only pass) lower for Hopper within the SMEM budget."""
+# the z tile makes a ring slot 8 KB larger: at N = 128 the ring drops to 3 slots
+@pytest.mark.parametrize("head_p, head_n, gate, stages", [(128, 64, False, 4), (128, 128, False, 4), (64, 64, True, 4),
+                                                          (128, 64, True, 4), (64, 128, True, 3), (128, 128, True, 3)])
+def test_lowers_for_sm90(monkeypatch, head_p, head_n, gate, stages):
+    """Both kernels (with checkpoints, D, z, and the split's state-only pass) lower for Hopper within the SMEM
+    budget."""
     from jax.experimental.mosaic.gpu import core as mosaic_core  # private: the kernel's SMEM bytes at launch
 
     sizes = []
@@ -143,16 +173,18 @@ def test_lowers_for_sm90(monkeypatch, head_n):
     spec = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
 
-    def call(x, dt, A, B, C, h0, cu, ccu, off):
-        return mosaic.ssd(x, dt, A, B, C, D=jnp.ones(H), initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu,
+    def call(x, dt, A, B, C, z, h0, cu, ccu, off):
+        return mosaic.ssd(x, dt, A, B, C, D=jnp.ones(H), z=z, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu,
                           checkpoint_offsets=off, pieces=2)
 
-    args = (spec((T, H, 128), bf), spec((T, H), jnp.float32), spec((H,), jnp.float32), spec((T, 1, head_n), bf),
-            spec((T, 1, head_n), bf), spec((1, H, 128, head_n), jnp.float32), spec((2,), jnp.int32),
-            spec((2,), jnp.int32), spec((1,), jnp.int32))
+    args = (spec((T, H, head_p), bf), spec((T, H), jnp.float32), spec((H,), jnp.float32), spec((T, 1, head_n), bf),
+            spec((T, 1, head_n), bf), spec((T, H, head_p), bf) if gate else None,
+            spec((1, H, head_p, head_n), jnp.float32), spec((2,), jnp.int32), spec((2,), jnp.int32),
+            spec((1,), jnp.int32))
     text = jax.export.export(jax.jit(call), platforms=["cuda"])(*args).mlir_module()
     assert "ssd_lanes" in text and "ssd_lanes_states" in text
     assert sizes and max(sizes) <= 227 * 1024, sizes
+    assert mosaic._stages(head_n, bf, has_output=True, has_z=gate) == stages
 
 
 def test_no_tokens_and_the_public_entry():

@@ -12,8 +12,9 @@ but y.
 Per grid point (lane, head h, column block j of BP = 64 of P), one CTA of three warpgroups, carrying the mamba
 layout S [BP, N] fp32 in registers (WGMMA layout, N = d_state on the columns, as N / 64 pieces of 64 columns):
 - memory (last warpgroup, registers lowered): a TMA ring (2 to 4 slots) of the chunk's x[:, cols] [C, BP],
-  B [C, N] and C [C, N] (group h // (H / G)), each as [C, 64] pieces, read straight from the packed token arrays
-  at the chunk's first token ("Token layout" below), and its Acs and delta rows [C] fp32.
+  B [C, N] and C [C, N] (group h // (H / G)) and, with the gate, z[:, cols] [C, BP], each as [C, 64] pieces, read
+  straight from the packed token arrays at the chunk's first token ("Token layout" below), and its Acs and delta
+  rows [C] fp32.
 - state (warpgroup 0): with w_j = exp(Acs_last - Acs_j) delta_j,
       S <- exp(Acs_last) S + (x^T w) B                      (A = x^T w [BP, C] from registers, B = the B pieces)
   x^T comes from a transposed load of the x tile; x^T w is split into 16-bit hi + lo (two wgmmas per accumulator),
@@ -25,9 +26,11 @@ layout S [BP, N] fp32 in registers (WGMMA layout, N = d_state on the columns, as
 - output (warpgroup 1): scores = C B^T (wgmma, both operands SMEM), P = scores * exp(Acs_i - Acs_j) delta_j kept
   by a select on j <= i and j < the chunk's length, rounded to 16 bits; then y = exp(Acs_i) (C S_hi^T) + P x (two
   accumulators, issued together; P from registers), staged in SMEM and TMA-stored into y [T, H, P] at the chunk's
-  tokens. With D, D x (x from the ring's tile) is added before y is rounded; the z gate stays an XLA pass.
-  Precision as mamba_ssm's and FLA's chunk scans: the output products take the state and P in 16 bits with fp32
-  accumulation.
+  tokens. With D, D x (x from the ring's tile) is added, then with z the gate y <- y z sigmoid(z) (z from the
+  ring's tile), both in fp32 before y is rounded: y is rounded to 16 bits once, as by the Triton SSD, where a gate
+  after the kernel would round it twice (rel-RMS against float64 1.7e-3 instead of 2.4e-3 in the interpreter test
+  where D x dominates y), and no pass reads y and z again. Precision as mamba_ssm's and FLA's chunk scans: the
+  output products take the state and P in 16 bits with fp32 accumulation.
 Ring slots are refilled once both consumers have released them (`in_free`, two arrivals); published S slots are
 reused once the output warpgroup has read them (`s_free`). All warpgroups meet at a final barrier (a warpgroup
 exiting while another still issues wgmmas has faulted on sm_90 with jax 0.11.2) and every waiter observes every
@@ -44,7 +47,8 @@ interpreter keeps the two views apart, so under `interpret` the TMAs use the til
 copies any rows) and the token arrays get C zero rows appended (its TMA would clamp a box past the end; the GPU
 fills such rows with zeros). Rows of a chunk past its length hold the next row's tokens, padding (possibly NaN) or
 zeros: the state warpgroup masks x^T by a select and zeroes those rows of the B pieces in SMEM, the output
-warpgroup zeroes them in the x tile (a tensor-core product turns 0 * NaN into NaN) and masks P's columns. A row's
+warpgroup zeroes them in the x tile (a tensor-core product turns 0 * NaN into NaN) and masks P's columns; the z
+tile needs nothing (the gate is elementwise, so those rows stay in rows of y that are never stored). A row's
 last, partial chunk leaves through a plain SMEM tile as TMA boxes of 32, 16, ..., 1 rows (a TMA store cannot be
 masked); the CTAs of one extra, empty lane write zeros over the padding tokens past the last row.
 
@@ -57,8 +61,9 @@ segment sum of the chunks' Acs_last), (3) the main pass runs all lanes from thei
 rounding. `choose_pieces`: 1 when rows x heads x P / 64 already fill half the SMs, else the largest power of two
 up to 8 whose main pass fits in one wave of CTAs, keeping >= 8 chunks per piece on average.
 
-SMEM at N = 128, BP = 64, bf16: a ring slot holds x 8 KB + B 16 KB + C 16 KB + 512 B of rows (state-only pass:
-24.5 KB), plus two published S_hi tiles (32 KB) and two y staging tiles (16 KB): 4 slots fit in 227 KB.
+SMEM at N = 128, BP = 64, bf16: a ring slot holds x 8 KB + B 16 KB + C 16 KB (+ z 8 KB) + 512 B of rows
+(state-only pass: 24.5 KB), plus two published S_hi tiles (32 KB) and two y staging tiles (16 KB): 4 slots fit in
+227 KB, 3 with z (4 with z at N = 64: a slot of 32.5 KB).
 
 Interpret mode: Mosaic GPU's interpreter (jax 0.11.2) reads a wgmma's A operand only from SMEM, so under
 `interpret` register operands take a detour through scratch tiles; its wgmma is an fp32 matmul of the 16-bit
@@ -130,17 +135,20 @@ def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, cu_seqlens=
                 f"{C.dtype} (float32 inputs: use pallas_triton or xla)")
     if dt.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         return f"dt: dtype must be float32, bfloat16 or float16 on this backend, got {dt.dtype}"
+    if z is not None and (z.shape != x.shape or z.dtype != x.dtype):
+        return (f"z: the fused gate reads z through x's TMA tiles, so it needs x's shape and dtype {x.shape} "
+                f"{x.dtype}, got {z.shape} {z.dtype}")
     if not interpret and not _is_hopper():
         return "backend: the Mosaic GPU SSD needs a Hopper GPU (sm_90, wgmma) or interpret=True"
     return None
 
 
-def _stages(head_n, dtype, *, has_output, stages=None):
+def _stages(head_n, dtype, *, has_output, has_z=False, stages=None):
     size = jnp.dtype(dtype).itemsize
-    per_stage = CHUNK * (BLOCK_P + (2 if has_output else 1) * head_n) * size + 2 * 4 * CHUNK
+    per_stage = CHUNK * ((2 if has_z else 1) * BLOCK_P + (2 if has_output else 1) * head_n) * size + 2 * 4 * CHUNK
     fixed = (_PUBLISH * BLOCK_P * head_n + 2 * CHUNK * BLOCK_P) * size if has_output else 0
     fixed += 1024  # barriers and alignment
-    return tiles.ring_depth(per_stage, fixed, stages=stages, what=f"at N = {head_n}")
+    return tiles.ring_depth(per_stage, fixed, stages=stages, what=f"at N = {head_n}" + (" with z" if has_z else ""))
 
 
 def _zero_rows(tile, length):
@@ -151,23 +159,12 @@ def _zero_rows(tile, length):
     plgpu.commit_smem()
 
 
-def _store_rows(rows_s, dst, start, length):
-    """Rows [0, length) of the plain SMEM tile rows_s [C, 64] to dst rows [start, start + length): TMA boxes of 32, 16,
-    ..., 1 rows (a TMA store cannot be masked, and rows past length belong to the next row or to padding)."""
-    offset = 0
-    for bit in (32, 16, 8, 4, 2, 1):
-        @pl.when(lax.bitwise_and(length, bit) != 0)
-        def _():
-            plgpu.copy_smem_to_gmem(rows_s.at[pl.ds(offset, bit)], dst.at[pl.ds(start + offset, bit)])
-
-        offset = offset + lax.bitwise_and(length, bit)
-
-
-def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_D, interpret, pad_lane, **s):
+def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_D, has_z, interpret, pad_lane, **s):
     refs = list(refs)
     take = lambda count: [refs.pop(0) for _ in range(count)]  # noqa: E731
     first_ref, count_ref, start_ref, len_ref, acs_ref, delta_ref, x_ref, b_ref = take(8)
     c_ref, pad_ref = take(2) if has_output else (None, None)
+    z_ref = refs.pop(0) if has_z else None
     D_ref = refs.pop(0) if has_D else None
     init_ref = refs.pop(0) if has_init else None
     ck_start_ref, ck_count_ref, ck_pos_ref = take(3) if has_checkpoints else (None, None, None)
@@ -204,6 +201,8 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                 plgpu.copy_gmem_to_smem(b_ref.at[rows, g, piece], target["b"].at[slot, k], bar)
                 if has_output:
                     plgpu.copy_gmem_to_smem(c_ref.at[rows, g, piece], target["c"].at[slot, k], bar)
+            if has_z:
+                plgpu.copy_gmem_to_smem(z_ref.at[rows, h, cols], target["z"].at[slot], bar)
             plgpu.copy_gmem_to_smem(acs_ref.at[h, c], acs_s.at[slot], bar)
             plgpu.copy_gmem_to_smem(delta_ref.at[h, c], delta_s.at[slot], bar)
 
@@ -334,6 +333,11 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                 y = tiles.by_row(jnp.exp(acs_i), out_shape) * inter + intra
                 if has_D:
                     y = y + skip * tiles.load(x_s.at[slot]).astype(_F32)
+                if has_z:
+                    # elementwise: a NaN or another row's z in rows past the chunk's length stays in those rows,
+                    # which are never stored
+                    z = tiles.load(ring["z"].at[slot]).astype(_F32)
+                    y = y * z / (1.0 + jnp.exp(-z))
                 plgpu.barrier_arrive(in_free.at[slot])
                 y = y.astype(dtype)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores have read the tiles
@@ -349,7 +353,7 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                 def _():
                     rows_s[...] = y
                     plgpu.commit_smem()
-                    _store_rows(rows_s, dst, start, length)
+                    tiles.store_rows(rows_s, dst, start, length)
 
                 return after
 
@@ -358,17 +362,7 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
             # the tokens past the last row (padding) are written as zeros by the CTAs of the extra last lane
             @pl.when(lane == pad_lane)
             def _():
-                pad_start, pad_len = pad_ref[0], pad_ref[1]
-                rows_s[...] = plgpu.layout_cast(jnp.zeros(out_shape, dtype), _WG)
-                plgpu.commit_smem()
-                dst = y_ref.at[:, h, cols]
-
-                def zeros(i, carry):
-                    plgpu.copy_smem_to_gmem(rows_s, dst.at[pl.ds(pad_start + i * CHUNK, CHUNK)])
-                    return carry
-
-                lax.fori_loop(0, lax.div(pad_len, CHUNK), zeros, 0)
-                _store_rows(rows_s, dst, pad_start + pad_len - lax.rem(pad_len, CHUNK), lax.rem(pad_len, CHUNK))
+                tiles.store_zeros(rows_s, y_ref.at[:, h, cols], pad_ref[0], pad_ref[1])
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -377,7 +371,7 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
 
 
 def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, C, lane_init=None, checkpoints=None,
-              D=None, *, interpret=False, stages=None):
+              D=None, z=None, *, interpret=False, stages=None):
     """The SSD scan over L lanes (module docstring), reading the packed token arrays directly.
 
     lane_first, lane_count  # i32[L]: lane l walks chunks lane_first[l] .. + lane_count[l] - 1 (lanes never share one)
@@ -388,6 +382,8 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
     lane_init               # fp32 [L, H, P, N] start states, or None (zeros)
     checkpoints             # (ck_start i32[NC], ck_count i32[NC], checkpoint_pos i32[M]) or None
     D                       # fp32 [H, P] skip (y += D x, before y is rounded), or None; only with C
+    z                       # [T, H, P] x's dtype: gate y <- y * silu(z) in fp32 after D x, before y is rounded, or
+                            # None; only with C
     Returns (y [T, H, P] (None without C; every token of every lane written, tokens past the last lane's last chunk
     zero, others untouched), lane_end fp32 [L, H, P, N], checkpoint_states fp32 [M, H, P, N] or None).
     """
@@ -396,11 +392,14 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
     if head_p % BLOCK_P or head_n not in HEAD_DIMS:
         raise ValueError(f"x, B: expected P a multiple of {BLOCK_P}, N in {HEAD_DIMS}, got {x.shape}, {B.shape}")
     has_output = C is not None
+    has_z = z is not None and has_output
+    if has_z and (z.shape != x.shape or z.dtype != x.dtype):
+        raise ValueError(f"z: expected x's shape and dtype {x.shape} {x.dtype}, got {z.shape} {z.dtype}")
     has_init = lane_init is not None
     has_checkpoints = checkpoints is not None and checkpoints[2].shape[0] > 0
     dtype = x.dtype
     num_lanes = lane_first.shape[0]
-    stages = _stages(head_n, dtype, has_output=has_output, stages=stages)
+    stages = _stages(head_n, dtype, has_output=has_output, has_z=has_z, stages=stages)
     pieces = head_n // PIECE
 
     lanes = [lane_first.astype(jnp.int32), lane_count.astype(jnp.int32)]
@@ -415,6 +414,7 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
         used = chunk_start[lane_first + lane_count - 1] + chunk_len[lane_first + lane_count - 1]
         pad_start = jnp.max(jnp.where(lane_count > 0, used, 0), initial=0).astype(jnp.int32)
         inputs += [C, jnp.stack([pad_start, num_tokens - pad_start])]
+    inputs += [z] if has_z else []
     has_D = D is not None and has_output
     inputs += [jnp.broadcast_to(D.astype(_F32).reshape(num_heads, -1), (num_heads, head_p))] if has_D else []
     inputs += [lane_init.astype(_F32)] if has_init else []
@@ -427,11 +427,13 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
     ring_shapes = dict(x=(stages, CHUNK, PIECE), b=(stages, pieces, CHUNK, PIECE))
     if has_output:
         ring_shapes["c"] = (stages, pieces, CHUNK, PIECE)
+    if has_z:
+        ring_shapes["z"] = (stages, CHUNK, PIECE)
     # 64 two-byte columns are one 128-byte swizzle row, so the untiled and the (8, 64)-tiled layouts of these tiles
     # are the same bytes (module docstring, "Token layout")
     ring = plgpu.RefUnion({k: untiled(v) for k, v in ring_shapes.items()},
                           {k: tiles.swizzled(v, dtype) for k, v in ring_shapes.items()})
-    copies = 1 + (2 if has_output else 1) * pieces + 2
+    copies = (2 if has_z else 1) + (2 if has_output else 1) * pieces + 2
     scratch = dict(
         ring=ring, acs_s=plgpu.SMEM((stages, CHUNK), _F32), delta_s=plgpu.SMEM((stages, CHUNK), _F32),
         in_bar=plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
@@ -447,8 +449,8 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
         if has_output:
             scratch.update(p_d=tiles.swizzled((CHUNK, CHUNK), dtype))
     body = functools.partial(_ssd_kernel, reps=num_heads // num_groups, stages=stages, has_output=has_output,
-                             has_init=has_init, has_checkpoints=has_checkpoints, has_D=has_D, interpret=bool(interpret),
-                             pad_lane=grid_lanes - 1)
+                             has_init=has_init, has_checkpoints=has_checkpoints, has_D=has_D, has_z=has_z,
+                             interpret=bool(interpret), pad_lane=grid_lanes - 1)
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type), scratch_types=scratch, grid=(grid_lanes, num_heads, head_p // BLOCK_P),
         grid_names=("l", "h", "j"), num_threads=consumers + 1, thread_name="wg",
@@ -509,7 +511,7 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     A, dt_bias          # [H]
     B, C                # [T, G, N] x's dtype, N in (64, 128), G dividing H
     D                   # [H] or [H, P]; None = 0
-    z                   # [T, H, P] gate: y * silu(z)
+    z                   # [T, H, P] x's dtype; gate: y * silu(z), in fp32 in the kernel before y is rounded
     initial_state       # [N_rows, H, P, N] ("vk") or [N_rows, H, N, P] ("kv"); None = zeros
     cu_seqlens          # i32[N_rows + 1]; None = one row over all T tokens (may be traced)
     checkpoint_cu       # i32[N_rows + 1] with checkpoint_offsets i32[M]; both None = no checkpoints
@@ -530,11 +532,12 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     num_rows = cu.shape[0] - 1
     num_ckpt = offsets.shape[0]
     init = ssd_initial_state(initial_state, dims, num_rows, state_layout, _F32)
-    tokens = x, B, C
+    tokens = x, B, C, z
     if num_tokens == 0 or interpret:
         # a chunk's TMA box may reach past the last token: the GPU fills those rows with zeros, the interpreter
         # would clamp the box's start, so it gets zero rows to read; no token at all keeps one zero row
-        tokens = tuple(jnp.pad(a, [(0, CHUNK if interpret else 1)] + [(0, 0)] * (a.ndim - 1)) for a in tokens)
+        tokens = tuple(None if a is None else jnp.pad(a, [(0, CHUNK if interpret else 1)] + [(0, 0)] * (a.ndim - 1))
+                       for a in tokens)
     lay = chunk_layout(cu, ccu, offsets, chunk_size=CHUNK, num_tokens=tokens[0].shape[0], xp=jnp)
     num_chunks = lay.chunk_len.shape[0]
 
@@ -561,19 +564,14 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
         head_lanes = tuple(a.reshape(num_rows, pieces)[:, :-1].reshape(-1) for a in lanes)
         _, ends, _ = ssd_lanes(*head_lanes, *chunks, *tokens[:2], None, interpret=interpret, stages=stages)
         lane_init = _piece_starts(lanes, acs, ends, init, num_rows, pieces)
-    y, lane_end, checkpoint_states = ssd_lanes(*lanes, *chunks, *tokens, lane_init, checkpoints, D,
+    y, lane_end, checkpoint_states = ssd_lanes(*lanes, *chunks, *tokens[:3], lane_init, checkpoints, D, tokens[3],
                                                interpret=interpret, stages=stages)
-    y = y[:num_tokens]  # tokens past the last row come back zero
+    y = y[:num_tokens]  # D x and the gate applied in the kernel; tokens past the last row come back zero
     final_state = lane_end.reshape(num_rows, pieces, *lane_end.shape[1:])[:, -1]
     if checkpoint_states is None:
         checkpoint_states = jnp.zeros((0, num_heads, head_p, head_n), _F32)
     else:
         checkpoint_states = jnp.where(lay.checkpoint_valid[:, None, None, None], checkpoint_states, 0)
-
-    if z is not None:  # D x is added in the kernel; the gate is one fused XLA pass
-        zf = z.astype(_F32)
-        y = jnp.where(lay.token_valid[:num_tokens, None, None], y.astype(_F32) * zf * jax.nn.sigmoid(zf), 0)
-        y = y.astype(x.dtype)
     if state_layout == "kv":
         final_state, checkpoint_states = final_state.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
     return y, final_state, checkpoint_states
