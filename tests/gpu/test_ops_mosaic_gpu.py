@@ -124,7 +124,11 @@ def test_token_layout_output_with_nan_padding(op, state, pieces):
     triton = fn(*bf, g, beta, **meta, implementation="pallas_triton")
     o = np.asarray(got[0], np.float32)
     np.testing.assert_array_equal(o[num_real:], 0, err_msg="padding tokens")
-    lines = bad_tokens(got[0][:num_real], triton[0][:num_real], meta["cu_seqlens"])
+    # the fused pass forms W and U itself (other roundings than the Triton intra's bf16 W, U): on the H200 one token
+    # of 2089 at one head differed from Triton by 1.03% of the output RMS, while a dropped or misplaced row is off
+    # by about its whole magnitude (results/session6_tests_a_h200.log)
+    tol = 5e-2 if state == "fused" else 1e-2
+    lines = bad_tokens(got[0][:num_real], triton[0][:num_real], meta["cu_seqlens"], tol=tol)
     for line in lines:
         print(f"{op} {state} pieces {pieces} o vs pallas_triton: {line}")
     assert not lines
