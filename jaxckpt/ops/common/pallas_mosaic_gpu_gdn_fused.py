@@ -434,19 +434,7 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
             plgpu.barrier_arrive(in_free.at[slot])
             o = (tiles.by_row(scale * jnp.exp(G_row), qs.shape) * qs + pv).astype(dtype)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores have read the tile
-
-            @pl.when(length == CHUNK)
-            def _():
-                o_tiled[...] = o
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_full, dst.at[pl.ds(start, CHUNK)])
-
-            @pl.when(length < CHUNK)  # a row's last chunk: its rows past length are another row's or padding
-            def _():
-                o_rows[...] = o
-                plgpu.commit_smem()
-                tiles.store_rows(o_rows, dst, start, length)
-
+            tiles.store_chunk(o, o_tiled, o_full, o_rows, dst, start, length)
             return after
 
         lax.fori_loop(0, count, step, ahead(first))

@@ -138,6 +138,27 @@ def store_rows(rows_s, dst, start, length):
         bit //= 2
 
 
+def store_chunk(value, tiled, whole, rows_s, dst, start, length):
+    """One chunk's output rows `value` (WGMMA-layout registers [C, W]) to the GMEM rows [start, start + length) of dst
+    [T, W]: a full chunk is stored through `tiled` and leaves from `whole` (the staging tile's tiled and untiled
+    views, `token_staging`; under `interpret` both the tiled view) as one box; a row's last, partial chunk goes through
+    the plain tile rows_s and leaves as `store_rows` boxes. The caller has waited for the previous stores to read
+    these tiles (`plgpu.wait_smem_to_gmem(0, wait_read_only=True)`)."""
+    chunk = tiled.shape[0]
+
+    @pl.when(length == chunk)
+    def _():
+        tiled[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(whole, dst.at[pl.ds(start, chunk)])
+
+    @pl.when(length < chunk)  # rows past length are the next row's tokens or padding
+    def _():
+        rows_s[...] = value
+        plgpu.commit_smem()
+        store_rows(rows_s, dst, start, length)
+
+
 def store_zeros(rows_s, dst, start, length):
     """Zeros over the GMEM rows [start, start + length) of dst [T, W] (any length), from the plain SMEM tile rows_s
     [R, W] (overwritten with zeros): whole boxes of R rows, then `store_rows` for the rest. The caller waits for the

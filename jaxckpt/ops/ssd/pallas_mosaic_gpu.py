@@ -342,19 +342,7 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                 y = y.astype(dtype)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores have read the tiles
                 dst = y_ref.at[:, h, cols]
-
-                @pl.when(length == CHUNK)
-                def _():
-                    y_s[...] = y
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(y_store, dst.at[pl.ds(start, CHUNK)])
-
-                @pl.when(length < CHUNK)
-                def _():
-                    rows_s[...] = y
-                    plgpu.commit_smem()
-                    tiles.store_rows(rows_s, dst, start, length)
-
+                tiles.store_chunk(y, y_s, y_store, rows_s, dst, start, length)
                 return after
 
             lax.fori_loop(0, count, step, ahead(first))
