@@ -433,7 +433,6 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
             plgpu.barrier_arrive(s["s_free"].at[half])
             plgpu.barrier_arrive(in_free.at[slot])
             o = (tiles.by_row(scale * jnp.exp(G_row), qs.shape) * qs + pv).astype(dtype)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores have read the tile
             tiles.store_chunk(o, o_tiled, o_full, o_rows, dst, start, length)
             return after
 

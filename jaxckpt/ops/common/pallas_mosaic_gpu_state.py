@@ -310,7 +310,6 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
                 plgpu.barrier_arrive(s["s_free"].at[half])
                 plgpu.barrier_arrive(in_free.at[slot])
                 o = o.astype(dtype)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores have read the tile
                 tiles.store_chunk(o, o_tiled, o_full, o_rows, dst, start, length)
                 return after
 

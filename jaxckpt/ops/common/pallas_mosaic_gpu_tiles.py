@@ -142,9 +142,10 @@ def store_chunk(value, tiled, whole, rows_s, dst, start, length):
     """One chunk's output rows `value` (WGMMA-layout registers [C, W]) to the GMEM rows [start, start + length) of dst
     [T, W]: a full chunk is stored through `tiled` and leaves from `whole` (the staging tile's tiled and untiled
     views, `token_staging`; under `interpret` both the tiled view) as one box; a row's last, partial chunk goes through
-    the plain tile rows_s and leaves as `store_rows` boxes. The caller has waited for the previous stores to read
-    these tiles (`plgpu.wait_smem_to_gmem(0, wait_read_only=True)`)."""
+    the plain tile rows_s and leaves as `store_rows` boxes. It first waits for the previous chunk's stores to have
+    read these tiles."""
     chunk = tiled.shape[0]
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(length == chunk)
     def _():

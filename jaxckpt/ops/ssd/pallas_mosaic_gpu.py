@@ -340,7 +340,6 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                     y = y * z / (1.0 + jnp.exp(-z))
                 plgpu.barrier_arrive(in_free.at[slot])
                 y = y.astype(dtype)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores have read the tiles
                 dst = y_ref.at[:, h, cols]
                 tiles.store_chunk(y, y_s, y_store, rows_s, dst, start, length)
                 return after
