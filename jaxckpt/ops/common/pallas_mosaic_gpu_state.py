@@ -400,18 +400,13 @@ def state_lanes(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd
                      stages=stages)
 
     lane_first, lane_count = lane_first.astype(jnp.int32), lane_count.astype(jnp.int32)
-    grid_lanes = num_lanes
     extra = []
     if not map_mode:
-        # one more lane, empty, whose CTAs write zeros over the tokens past the last lane's last chunk (padding)
         chunk_start, chunk_len = chunk_start.astype(jnp.int32), chunk_len.astype(jnp.int32)
-        last = lane_first + lane_count - 1
-        ends = jnp.where(lane_count > 0, chunk_start[jnp.maximum(last, 0)] + chunk_len[jnp.maximum(last, 0)], 0)
-        pad_start = jnp.max(ends, initial=0)
-        extra = [chunk_start, chunk_len, jnp.stack([pad_start, num_tokens - pad_start]).astype(jnp.int32)]
-        lane_first, lane_count = (jnp.concatenate([x, jnp.zeros(1, jnp.int32)]) for x in (lane_first, lane_count))
-        lane_init = None if lane_init is None else jnp.concatenate([lane_init, jnp.zeros_like(lane_init[:1])])
-        grid_lanes += 1
+        lane_first, lane_count, lane_init, pad = tiles.padding_lane(lane_first, lane_count, chunk_start, chunk_len,
+                                                                    num_tokens, lane_init)
+        extra = [chunk_start, chunk_len, pad]
+    grid_lanes = lane_first.shape[0]
     inputs = [lane_first, lane_count, decays.astype(_F32), w, u, kd]
     inputs += [] if map_mode else [qg, aqk, *extra]
     if has_init:

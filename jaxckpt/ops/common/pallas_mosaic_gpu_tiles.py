@@ -138,6 +138,25 @@ def store_rows(rows_s, dst, start, length):
         bit //= 2
 
 
+def padding_lane(lane_first, lane_count, chunk_start, chunk_len, num_tokens, lane_init=None):
+    """The lanes of a kernel whose output leaves in the packed token layout, plus one extra, empty lane whose CTAs
+    write zeros over the tokens past the last lane's last chunk (a packed call's padding) with `store_zeros`.
+
+    lane_first, lane_count  # i32[L]
+    chunk_start, chunk_len  # i32[NC]
+    lane_init               # [L, ...] start states or None
+    Returns (lane_first, lane_count i32[L + 1], lane_init [L + 1, ...] or None, pad i32[2] = (first padding token,
+    number of padding tokens)); the extra lane is the last grid lane."""
+    lane_first, lane_count = lane_first.astype(jnp.int32), lane_count.astype(jnp.int32)
+    last = jnp.maximum(lane_first + lane_count - 1, 0)
+    ends = jnp.where(lane_count > 0, chunk_start[last] + chunk_len[last], 0)
+    pad_start = jnp.max(ends, initial=0).astype(jnp.int32)
+    lane_first, lane_count = (jnp.concatenate([x, jnp.zeros(1, jnp.int32)]) for x in (lane_first, lane_count))
+    if lane_init is not None:
+        lane_init = jnp.concatenate([lane_init, jnp.zeros_like(lane_init[:1])])
+    return lane_first, lane_count, lane_init, jnp.stack([pad_start, num_tokens - pad_start]).astype(jnp.int32)
+
+
 def store_chunk(value, tiled, whole, rows_s, dst, start, length):
     """One chunk's output rows `value` (WGMMA-layout registers [C, W]) to the GMEM rows [start, start + length) of dst
     [T, W]: a full chunk is stored through `tiled` and leaves from `whole` (the staging tile's tiled and untiled

@@ -390,17 +390,13 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
     pieces = head_n // PIECE
 
     lanes = [lane_first.astype(jnp.int32), lane_count.astype(jnp.int32)]
-    if has_output:  # one more lane, empty, whose CTAs zero the padding tokens
-        lanes = [jnp.concatenate([a, jnp.zeros(1, jnp.int32)]) for a in lanes]
-        if has_init:
-            lane_init = jnp.concatenate([lane_init, jnp.zeros_like(lane_init[:1])])
+    if has_output:
+        *lanes, lane_init, pad = tiles.padding_lane(*lanes, chunk_start, chunk_len, num_tokens, lane_init)
     grid_lanes = lanes[0].shape[0]
     inputs = lanes + [chunk_start.astype(jnp.int32), chunk_len.astype(jnp.int32), acs.astype(_F32),
                       delta.astype(_F32), x, B]
     if has_output:
-        used = chunk_start[lane_first + lane_count - 1] + chunk_len[lane_first + lane_count - 1]
-        pad_start = jnp.max(jnp.where(lane_count > 0, used, 0), initial=0).astype(jnp.int32)
-        inputs += [C, jnp.stack([pad_start, num_tokens - pad_start])]
+        inputs += [C, pad]
     inputs += [z] if has_z else []
     has_D = D is not None and has_output
     inputs += [jnp.broadcast_to(D.astype(_F32).reshape(num_heads, -1), (num_heads, head_p))] if has_D else []
