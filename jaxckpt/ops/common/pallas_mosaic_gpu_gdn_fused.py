@@ -249,7 +249,6 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
     head_k = k_s.shape[-1]
     dtype = k_s.dtype
     first, count = first_ref[lane], count_ref[lane]
-    num_chunks = k_ref.shape[1]
     state_shape = (BLOCK_V, head_k)  # S^T block
     sq = (CHUNK, CHUNK)
     if map_mode:
@@ -403,20 +402,13 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
         q_s, s_pub, vn_pub, p_s = s["q_s"], s["s_pub"], s["vn_pub"], s["p_s"]
         o_land, o_tiled, o_rows = s["o_s"]  # one SMEM tile, three views (`tiles.token_staging`)
         o_full = o_tiled if interpret else o_land  # the interpreter keeps the views apart and copies any rows
-        dst = o_ref.at[:, h, cols]  # [T, BV]
-
-        def ahead(c):
-            c = jnp.minimum(c, num_chunks - 1)
-            return start_ref[c], len_ref[c]
 
         @pl.when(count > 0)
         def _():
             prepare(0)
 
-        def step(i, carry):
-            start, length = carry
-            c, slot, half = first + i, lax.rem(i, stages), lax.rem(i, 2)
-            after = ahead(c + 1)  # global loads that this chunk's wgmmas hide
+        def chunk_output(i, length):
+            slot, half = lax.rem(i, stages), lax.rem(i, 2)
 
             @pl.when(i + 1 < count)
             def _():
@@ -432,17 +424,11 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
                               ((CHUNK, BLOCK_V), ((p_s, vn_pub.at[half]),)))
             plgpu.barrier_arrive(s["s_free"].at[half])
             plgpu.barrier_arrive(in_free.at[slot])
-            o = (tiles.by_row(scale * jnp.exp(G_row), qs.shape) * qs + pv).astype(dtype)
-            tiles.store_chunk(o, o_tiled, o_full, o_rows, dst, start, length)
-            return after
+            return (tiles.by_row(scale * jnp.exp(G_row), qs.shape) * qs + pv).astype(dtype)
 
-        lax.fori_loop(0, count, step, ahead(first))
-
-        @pl.when(lane == pad_lane)  # the extra, empty lane: zeros over the tokens past the last lane's chunks
-        def _():
-            tiles.store_zeros(o_rows, dst, pad_ref[0], pad_ref[1])
-
-        plgpu.wait_smem_to_gmem(0)
+        tiles.token_output(chunk_output, first=first, count=count, chunk_start=start_ref, chunk_len=len_ref,
+                           tiled=o_tiled, whole=o_full, rows_s=o_rows, dst=o_ref.at[:, h, cols], pad=pad_ref,
+                           pad_lane=lane == pad_lane)
 
     # a warpgroup exiting while another still issues wgmmas has faulted on sm_90 (`pallas_mosaic_gpu_state`)
     plgpu.barrier_arrive(done)

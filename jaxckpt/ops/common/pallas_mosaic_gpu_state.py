@@ -293,33 +293,20 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
             s_pub, vn_pub = s["s_pub"], s["vn_pub"]
             o_land, o_tiled, o_rows = s["o_s"]  # one SMEM tile, three views (module docstring, "O")
             o_full = o_tiled if interpret else o_land  # the interpreter keeps the views apart and copies any rows
-            dst = o_ref.at[:, h, cols]  # [T, BV]
 
-            def ahead(c):
-                c = jnp.minimum(c, num_chunks - 1)
-                return start_ref[c], len_ref[c]
-
-            def step(i, carry):
-                start, length = carry
-                c, slot, half = first + i, lax.rem(i, stages), lax.rem(i, publish_slots)
-                after = ahead(c + 1)  # global loads that this chunk's wgmmas hide
+            def chunk_output(i, length):
+                slot, half = lax.rem(i, stages), lax.rem(i, publish_slots)
                 plgpu.barrier_wait(in_bar.at[slot])
                 plgpu.barrier_wait(s["s_ready"].at[half])
                 o = tiles.matmul((chunk, BLOCK_V), ((s["qg_s"].at[slot], s_pub.at[half].T),
                                                (s["aqk_s"].at[slot], vn_pub.at[half])))
                 plgpu.barrier_arrive(s["s_free"].at[half])
                 plgpu.barrier_arrive(in_free.at[slot])
-                o = o.astype(dtype)
-                tiles.store_chunk(o, o_tiled, o_full, o_rows, dst, start, length)
-                return after
+                return o.astype(dtype)
 
-            lax.fori_loop(0, count, step, ahead(first))
-
-            @pl.when(lane == pad_lane)  # the extra, empty lane: zeros over the tokens past the last lane's chunks
-            def _():
-                tiles.store_zeros(o_rows, dst, pad_ref[0], pad_ref[1])
-
-            plgpu.wait_smem_to_gmem(0)
+            tiles.token_output(chunk_output, first=first, count=count, chunk_start=start_ref, chunk_len=len_ref,
+                               tiled=o_tiled, whole=o_full, rows_s=o_rows, dst=o_ref.at[:, h, cols], pad=pad_ref,
+                               pad_lane=lane == pad_lane)
 
     plgpu.barrier_arrive(done)
     plgpu.barrier_wait(done)

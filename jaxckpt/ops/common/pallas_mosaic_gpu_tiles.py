@@ -179,6 +179,33 @@ def store_chunk(value, tiled, whole, rows_s, dst, start, length):
         store_rows(rows_s, dst, start, length)
 
 
+def token_output(chunk_output, *, first, count, chunk_start, chunk_len, tiled, whole, rows_s, dst, pad, pad_lane):
+    """An output warpgroup's loop over its lane's chunks first, ..., first + count - 1, writing the packed token
+    layout: chunk_output(i, length) gives chunk first + i's output rows (WGMMA-layout registers, 16-bit), stored with
+    `store_chunk` through the staging views (tiled, whole, rows_s) at the chunk's tokens of dst [T, W]; the chunk
+    table entries of the next chunk are loaded before each chunk's work, which hides them. On the extra lane of
+    `padding_lane` (`pad_lane` true) the padding tokens pad = (start, length) get zeros. Waits for every store."""
+    num_chunks = chunk_start.shape[0]
+
+    def ahead(c):
+        c = jnp.minimum(c, num_chunks - 1)
+        return chunk_start[c], chunk_len[c]
+
+    def step(i, carry):
+        start, length = carry
+        after = ahead(first + i + 1)
+        store_chunk(chunk_output(i, length), tiled, whole, rows_s, dst, start, length)
+        return after
+
+    lax.fori_loop(0, count, step, ahead(first))
+
+    @pl.when(pad_lane)
+    def _():
+        store_zeros(rows_s, dst, pad[0], pad[1])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
 def store_zeros(rows_s, dst, start, length):
     """Zeros over the GMEM rows [start, start + length) of dst [T, W] (any length), from the plain SMEM tile rows_s
     [R, W] (overwritten with zeros): whole boxes of R rows, then `store_rows` for the rest. The caller waits for the

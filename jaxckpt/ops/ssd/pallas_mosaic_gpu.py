@@ -304,14 +304,8 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
             out_shape = (CHUNK, BLOCK_P)
             skip = tiles.by_col(tiles.load(D_ref.at[h, cols], _COL), out_shape) if has_D else None  # D x
 
-            def ahead(c):
-                c = jnp.minimum(c, num_chunks - 1)
-                return start_ref[c], len_ref[c]
-
-            def step(i, carry):
-                start, length = carry
-                c, slot, half = first + i, lax.rem(i, stages), lax.rem(i, _PUBLISH)
-                after = ahead(c + 1)  # global loads that this chunk's work hides
+            def chunk_output(i, length):
+                slot, half = lax.rem(i, stages), lax.rem(i, _PUBLISH)
                 plgpu.barrier_wait(in_bar.at[slot])
 
                 @pl.when(length < CHUNK)
@@ -339,19 +333,12 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                     z = tiles.load(ring["z"].at[slot]).astype(_F32)
                     y = y * z / (1.0 + jnp.exp(-z))
                 plgpu.barrier_arrive(in_free.at[slot])
-                y = y.astype(dtype)
-                dst = y_ref.at[:, h, cols]
-                tiles.store_chunk(y, y_s, y_store, rows_s, dst, start, length)
-                return after
-
-            lax.fori_loop(0, count, step, ahead(first))
+                return y.astype(dtype)
 
             # the tokens past the last row (padding) are written as zeros by the CTAs of the extra last lane
-            @pl.when(lane == pad_lane)
-            def _():
-                tiles.store_zeros(rows_s, y_ref.at[:, h, cols], pad_ref[0], pad_ref[1])
-
-            plgpu.wait_smem_to_gmem(0)
+            tiles.token_output(chunk_output, first=first, count=count, chunk_start=start_ref, chunk_len=len_ref,
+                               tiled=y_s, whole=y_store, rows_s=rows_s, dst=y_ref.at[:, h, cols], pad=pad_ref,
+                               pad_lane=lane == pad_lane)
 
     plgpu.barrier_arrive(s["done"])
     plgpu.barrier_wait(s["done"])
