@@ -1,7 +1,7 @@
 """The Mosaic GPU SSD on the H200 at real head sizes: against the float64 reference on the same bf16 inputs (varlen
 rows off the chunk grid, checkpoints inside chunks, NaN padding tokens, a last chunk reaching past the last
 token), with the sequence split, and batched rows; outputs and final states bitwise unchanged by checkpoints; the z
-gate fused into the kernel rounds y once.
+gate fused into the kernel (z in two tiles beside the TMA ring) rounds y once.
 
 Run on the GPU machine: `JAXCKPT_GPU_TESTS=1 JAX_PLATFORMS=cuda python -m pytest -q -s tests/gpu/test_ssd_mosaic_gpu.py`.
 """
@@ -70,8 +70,9 @@ def test_varlen_checkpoints_against_float64(pieces, padding):
     np.testing.assert_array_equal(np.asarray(plain[1]), np.asarray(got[1]))
 
 
-@pytest.mark.parametrize("pieces", [1, 2])
-def test_fused_gate_against_float64(pieces):
+# stages None: the 4-slot ring beside z's own two tiles at N = 128; 2: z's tiles refilled from a shallow ring
+@pytest.mark.parametrize("pieces, stages", [(1, None), (2, None), (1, 2)])
+def test_fused_gate_against_float64(pieces, stages):
     """y * silu(z) in the output warpgroup (NaN z in the padding tokens and past the last row's partial chunk): one
     bf16 rounding, below gating the kernel's rounded y and rounding again; the states do not see the gate."""
     import jax
@@ -85,14 +86,15 @@ def test_fused_gate_against_float64(pieces):
     meta = dict(cu_seqlens=cu, checkpoint_cu=np.array([0, 2, 2, 3, 3], np.int32),
                 checkpoint_offsets=np.array([1000, 2999, 65], np.int32))
     expected = reference(**arrays, initial_state=h0, **meta)
-    run = jax.jit(lambda z: mosaic.ssd(**{**arrays, "z": z}, initial_state=jnp.asarray(h0), **meta, pieces=pieces))
+    run = jax.jit(lambda z: mosaic.ssd(**{**arrays, "z": z}, initial_state=jnp.asarray(h0), **meta, pieces=pieces,
+                                       stages=stages))
     got, plain = run(arrays["z"]), run(None)
     valid = cu[-1]
     z = np.asarray(arrays["z"], np.float32)[:valid]
     unfused = np.asarray(jnp.asarray(np.asarray(plain[0], np.float32)[:valid] * z / (1 + np.exp(-z)), jnp.bfloat16))
     errors = (rel_rms(got[0][:valid], expected[0][:valid]), rel_rms(unfused, expected[0][:valid]),
               rel_rms(got[1], expected[1]), rel_rms(got[2], expected[2]))
-    print(f"ssd mosaic z pieces={pieces} y fused {errors[0]:.2e} gated after rounding {errors[1]:.2e} "
+    print(f"ssd mosaic z pieces={pieces} stages={stages} y fused {errors[0]:.2e} gated after rounding {errors[1]:.2e} "
           f"final {errors[2]:.2e} checkpoints {errors[3]:.2e}")
     assert errors[0] < TOL and errors[0] < 0.9 * errors[1] and errors[2] < 1e-4 and errors[3] < 1e-4, errors
     assert np.all(np.asarray(got[0][valid:], np.float32) == 0)

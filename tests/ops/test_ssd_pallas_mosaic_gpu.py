@@ -1,7 +1,8 @@
 """The Mosaic GPU SSD (`jaxckpt.ops.ssd.pallas_mosaic_gpu`) in Mosaic GPU's CPU interpreter against the float64
 token-by-token reference on the same 16-bit inputs; checkpoints leave outputs and final states bitwise unchanged;
 the sequence split and the aligned layout give the plain pass's results; the z gate, fused into the output warpgroup,
-rounds y once; unsupported calls name their reason. The sm_90 lowering is checked by exporting for CUDA.
+rounds y once, its tiles refilled outside the TMA ring at any ring depth; unsupported calls name their reason. The
+sm_90 lowering is checked by exporting for CUDA.
 
 Tolerances: the interpreter's wgmma is an fp32 matmul of the 16-bit tiles, so the carried state (hi + lo operands)
 lands near fp32 rounding, while y rounds P and the published state to 16 bits, as the GPU does (rel-RMS ~1e-3 for
@@ -111,6 +112,17 @@ def test_rows_on_the_chunk_grid_with_the_split_and_traced_metadata():
         assert rel_rms(a, b) <= STATE_TOL
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gate_tiles_refill_at_any_ring_depth(stages):
+    """z's two tiles, outside the TMA ring, take chunk i + 2 once the consumers free chunk i, whatever the ring's
+    depth: lanes of 0 to 4 chunks (rows of 1, 130 and 400 tokens in 2 pieces), partial last chunks with NaN z past
+    the last row."""
+    rng = fresh_rng()
+    cu = np.array([0, 1, 131, 531], np.int32)
+    inputs = make_inputs(rng, 536, 1, cu, gate=True)
+    check_against_reference(mosaic.ssd(**inputs, interpret=True, pieces=2, stages=stages), inputs, {})
+
+
 def test_the_gate_rounds_y_once():
     """y * silu(z) in fp32 before y is rounded: against float64, one bf16 rounding (rel-RMS ~1.7e-3), where gating
     the kernel's rounded y and rounding again (the former XLA pass) adds a second (~2.4e-3). A large per-channel D
@@ -157,9 +169,9 @@ def test_supports_names_the_reason():
         mosaic.ssd(**{**inputs, "x": inputs["x"].astype(jnp.float32)}, interpret=True)
 
 
-# the z tile makes a ring slot 8 KB larger: at N = 128 the ring drops to 3 slots
+# z's two tiles sit outside the TMA ring: the ring keeps its 4 slots at N = 128 with z too
 @pytest.mark.parametrize("head_p, head_n, gate, stages", [(128, 64, False, 4), (128, 128, False, 4), (64, 64, True, 4),
-                                                          (128, 64, True, 4), (64, 128, True, 3), (128, 128, True, 3)])
+                                                          (128, 64, True, 4), (64, 128, True, 4), (128, 128, True, 4)])
 def test_lowers_for_sm90(monkeypatch, head_p, head_n, gate, stages):
     """Both kernels (with checkpoints, D, z, and the split's state-only pass) lower for Hopper within the SMEM
     budget."""

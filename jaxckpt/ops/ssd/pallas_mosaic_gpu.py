@@ -12,9 +12,10 @@ but y.
 Per grid point (lane, head h, column block j of BP = 64 of P), one CTA of three warpgroups, carrying the mamba
 layout S [BP, N] fp32 in registers (WGMMA layout, N = d_state on the columns, as N / 64 pieces of 64 columns):
 - memory (last warpgroup, registers lowered): a TMA ring (2 to 4 slots) of the chunk's x[:, cols] [C, BP],
-  B [C, N] and C [C, N] (group h // (H / G)) and, with the gate, z[:, cols] [C, BP], each as [C, 64] pieces, read
-  straight from the packed token arrays at the chunk's first token ("Token layout" below), and its Acs and delta
-  rows [C] fp32.
+  B [C, N] and C [C, N] (group h // (H / G)), each as [C, 64] pieces, read straight from the packed token arrays at
+  the chunk's first token ("Token layout" below), and its Acs and delta rows [C] fp32. With the gate, z[:, cols]
+  [C, BP] goes to two tiles of its own, outside the ring ("SMEM" below): once both consumers have freed chunk i,
+  z's tile i % 2 takes chunk i + 2.
 - state (warpgroup 0): with w_j = exp(Acs_last - Acs_j) delta_j,
       S <- exp(Acs_last) S + (x^T w) B                      (A = x^T w [BP, C] from registers, B = the B pieces)
   x^T comes from a transposed load of the x tile; x^T w is split into 16-bit hi + lo (two wgmmas per accumulator),
@@ -26,13 +27,14 @@ layout S [BP, N] fp32 in registers (WGMMA layout, N = d_state on the columns, as
 - output (warpgroup 1): scores = C B^T (wgmma, both operands SMEM), P = scores * exp(Acs_i - Acs_j) delta_j kept
   by a select on j <= i and j < the chunk's length, rounded to 16 bits; then y = exp(Acs_i) (C S_hi^T) + P x (two
   accumulators, issued together; P from registers), staged in SMEM and TMA-stored into y [T, H, P] at the chunk's
-  tokens. With D, D x (x from the ring's tile) is added, then with z the gate y <- y z sigmoid(z) (z from the
-  ring's tile), both in fp32 before y is rounded: y is rounded to 16 bits once, as by the Triton SSD, where a gate
+  tokens. With D, D x (x from the ring's tile) is added, then with z the gate y <- y z sigmoid(z) (z from its
+  own tile), both in fp32 before y is rounded: y is rounded to 16 bits once, as by the Triton SSD, where a gate
   after the kernel would round it twice (rel-RMS against float64 1.7e-3 instead of 2.4e-3 in the interpreter test
   where D x dominates y), and no pass reads y and z again. Precision as mamba_ssm's and FLA's chunk scans: the
   output products take the state and P in 16 bits with fp32 accumulation.
-Ring slots are refilled once both consumers have released them (`in_free`, two arrivals); published S slots are
-reused once the output warpgroup has read them (`s_free`). All warpgroups meet at a final barrier (a warpgroup
+Ring slots are refilled once both consumers have released them (`in_free`, two arrivals), and so are z's tiles
+(the output warpgroup reads chunk i's z before it releases chunk i; `z_bar` says a z tile landed); published S slots
+are reused once the output warpgroup has read them (`s_free`). All warpgroups meet at a final barrier (a warpgroup
 exiting while another still issues wgmmas has faulted on sm_90 with jax 0.11.2) and every waiter observes every
 phase of its barriers (the interpreter checks it).
 
@@ -47,7 +49,7 @@ interpreter keeps the two views apart, so under `interpret` the TMAs use the til
 copies any rows) and the token arrays get C zero rows appended (its TMA would clamp a box past the end; the GPU
 fills such rows with zeros). Rows of a chunk past its length hold the next row's tokens, padding (possibly NaN) or
 zeros: the state warpgroup masks x^T by a select and zeroes those rows of the B pieces in SMEM, the output
-warpgroup zeroes them in the x tile (a tensor-core product turns 0 * NaN into NaN) and masks P's columns; the z
+warpgroup zeroes them in the x tile (a tensor-core product turns 0 * NaN into NaN) and masks P's columns; z's
 tile needs nothing (the gate is elementwise, so those rows stay in rows of y that are never stored). A row's
 last, partial chunk leaves through a plain SMEM tile as TMA boxes of 32, 16, ..., 1 rows (a TMA store cannot be
 masked); the CTAs of one extra, empty lane write zeros over the padding tokens past the last row.
@@ -61,9 +63,15 @@ segment sum of the chunks' Acs_last), (3) the main pass runs all lanes from thei
 rounding. `choose_pieces`: 1 when rows x heads x P / 64 already fill half the SMs, else the largest power of two
 up to 8 whose main pass fits in one wave of CTAs, keeping >= 8 chunks per piece on average.
 
-SMEM at N = 128, BP = 64, bf16: a ring slot holds x 8 KB + B 16 KB + C 16 KB (+ z 8 KB) + 512 B of rows
-(state-only pass: 24.5 KB), plus two published S_hi tiles (32 KB) and two y staging tiles (16 KB): 4 slots fit in
-227 KB, 3 with z (4 with z at N = 64: a slot of 32.5 KB).
+SMEM (227 KB per CTA on sm_90). At N = 128, BP = 64, bf16: a ring slot holds x 8 KB + B 16 KB + C 16 KB + 512 B
+of rows (state-only pass: 24.5 KB), beside two published S_hi tiles (32 KB) and the y staging and partial-chunk
+tiles (16 KB): 4 slots take 210 KB. Why z is not in the ring: the state warpgroup runs up to two chunks ahead of
+the output warpgroup (two S_hi slots), so 4 slots hold the output's chunk, the state's two and one landing; z in
+every slot (48.5 KB a slot) left room for 3, and the H200 timed 0.390 ms with z against 0.225 ms without at (8192
+tokens, 128 heads, P 64, N 128). z's own two tiles (16 KB) fit beside the 4 slots: 226.1 KB with the barriers,
+0.9 KB to spare (`_stages` counts it; the lowering test exports for CUDA, where Mosaic GPU checks the bytes). Two,
+not one: chunk i + 2's z starts landing when chunk i is freed, a whole chunk of output work before its gate (with
+one tile, only as the gate's own chunk begins). At N = 64 every arrangement keeps 4 slots.
 
 Interpret mode: Mosaic GPU's interpreter (jax 0.11.2) reads a wgmma's A operand only from SMEM, so under
 `interpret` register operands take a detour through scratch tiles; its wgmma is an fp32 matmul of the 16-bit
@@ -104,6 +112,7 @@ _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)
 _COL = _WG.reduce(0)
 _PUBLISH = 2  # published S_hi slots
+_Z_SLOTS = 2  # z tiles, outside the TMA ring (module docstring, "SMEM")
 _STATE, _OUTPUT = 0, 1
 
 
@@ -145,9 +154,11 @@ def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, cu_seqlens=
 
 def _stages(head_n, dtype, *, has_output, has_z=False, stages=None):
     size = jnp.dtype(dtype).itemsize
-    per_stage = CHUNK * ((2 if has_z else 1) * BLOCK_P + (2 if has_output else 1) * head_n) * size + 2 * 4 * CHUNK
-    fixed = (_PUBLISH * BLOCK_P * head_n + 2 * CHUNK * BLOCK_P) * size if has_output else 0
-    fixed += 1024  # barriers and alignment
+    per_stage = CHUNK * (BLOCK_P + (2 if has_output else 1) * head_n) * size + 2 * 4 * CHUNK
+    fixed = 0
+    if has_output:  # published S_hi, the y staging and partial-chunk tiles, the z tiles
+        fixed = (_PUBLISH * BLOCK_P * head_n + (2 + (_Z_SLOTS if has_z else 0)) * CHUNK * BLOCK_P) * size
+    fixed += 1024  # barriers and the 1024-byte alignment of the [stages, C] fp32 row tiles
     return tiles.ring_depth(per_stage, fixed, stages=stages, what=f"at N = {head_n}" + (" with z" if has_z else ""))
 
 
@@ -172,6 +183,7 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
     end_ref = refs.pop(0)
     ckpt_ref = refs.pop(0) if has_checkpoints else None
     land, ring = s["ring"]  # the same SMEM: TMA lands in `land` (untiled), wgmmas read `ring` (tiled)
+    z_land, z_s = s["z_tiles"] if has_z else (None, None)  # the same two views
     acs_s, delta_s, in_bar, in_free = s["acs_s"], s["delta_s"], s["in_bar"], s["in_free"]
     x_s, b_s = ring["x"], ring["b"]
 
@@ -188,12 +200,14 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
     detour = lambda name: s.get(name)  # noqa: E731  (interpret only)
     # the interpreter copies any rows into tiled SMEM; the GPU needs the untiled landing views for that
     target = ring if interpret else land
+    z_target = z_s if interpret else z_land
 
     @pl.when(wg == memory_wg)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        def issue(c, slot):
+        def issue(i):
+            c, slot = first + i, lax.rem(i, stages)
             bar, rows = in_bar.at[slot], pl.ds(start_ref[c], CHUNK)
             plgpu.copy_gmem_to_smem(x_ref.at[rows, h, cols], target["x"].at[slot], bar)
             for k in range(pieces):
@@ -201,12 +215,42 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                 plgpu.copy_gmem_to_smem(b_ref.at[rows, g, piece], target["b"].at[slot, k], bar)
                 if has_output:
                     plgpu.copy_gmem_to_smem(c_ref.at[rows, g, piece], target["c"].at[slot, k], bar)
-            if has_z:
-                plgpu.copy_gmem_to_smem(z_ref.at[rows, h, cols], target["z"].at[slot], bar)
             plgpu.copy_gmem_to_smem(acs_ref.at[h, c], acs_s.at[slot], bar)
             plgpu.copy_gmem_to_smem(delta_ref.at[h, c], delta_s.at[slot], bar)
 
-        tiles.fill_ring(first, count, stages, in_free, issue)
+        def issue_z(i):
+            half = lax.rem(i, _Z_SLOTS)
+            plgpu.copy_gmem_to_smem(z_ref.at[pl.ds(start_ref[first + i], CHUNK), h, cols], z_target.at[half],
+                                    s["z_bar"].at[half])
+
+        def freed(i):
+            """Waits until both consumers are done with the lane's chunk i (its ring slot may take chunk i +
+            stages), then starts chunk i + 2's z into z's tile i % 2: the output warpgroup read chunk i's z before
+            it released chunk i. (`tiles.fill_ring`, the other lane kernels' loop, has no hook for this.)"""
+            plgpu.barrier_wait(in_free.at[lax.rem(i, stages)])
+            if has_z:
+                @pl.when(i + _Z_SLOTS < count)
+                def _():
+                    issue_z(i + _Z_SLOTS)
+
+        def refill(i, carry):
+            @pl.when(i >= stages)
+            def _():
+                freed(i - stages)
+
+            issue(i)
+            if has_z:
+                @pl.when(i < _Z_SLOTS)
+                def _():
+                    issue_z(i)
+            return carry
+
+        def drain(i, carry):
+            freed(i)  # every completed barrier phase needs a waiter (the interpreter checks it)
+            return carry
+
+        lax.fori_loop(0, count, refill, 0)
+        lax.fori_loop(jnp.maximum(count - stages, 0), count, drain, 0)
 
     @pl.when(wg == _STATE)
     def _state():
@@ -330,7 +374,9 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                 if has_z:
                     # elementwise: a NaN or another row's z in rows past the chunk's length stays in those rows,
                     # which are never stored
-                    z = tiles.load(ring["z"].at[slot]).astype(_F32)
+                    z_half = lax.rem(i, _Z_SLOTS)
+                    plgpu.barrier_wait(s["z_bar"].at[z_half])
+                    z = tiles.load(z_s.at[z_half]).astype(_F32)
                     y = y * z / (1.0 + jnp.exp(-z))
                 plgpu.barrier_arrive(in_free.at[slot])
                 return y.astype(dtype)
@@ -397,13 +443,11 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
     ring_shapes = dict(x=(stages, CHUNK, PIECE), b=(stages, pieces, CHUNK, PIECE))
     if has_output:
         ring_shapes["c"] = (stages, pieces, CHUNK, PIECE)
-    if has_z:
-        ring_shapes["z"] = (stages, CHUNK, PIECE)
     # 64 two-byte columns are one 128-byte swizzle row, so the untiled and the (8, 64)-tiled layouts of these tiles
     # are the same bytes (module docstring, "Token layout")
     ring = plgpu.RefUnion({k: untiled(v) for k, v in ring_shapes.items()},
                           {k: tiles.swizzled(v, dtype) for k, v in ring_shapes.items()})
-    copies = (2 if has_z else 1) + (2 if has_output else 1) * pieces + 2
+    copies = 1 + (2 if has_output else 1) * pieces + 2
     scratch = dict(
         ring=ring, acs_s=plgpu.SMEM((stages, CHUNK), _F32), delta_s=plgpu.SMEM((stages, CHUNK), _F32),
         in_bar=plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
@@ -414,6 +458,10 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
                        y_staging=plgpu.RefUnion(untiled((CHUNK, BLOCK_P)), tiles.swizzled((CHUNK, BLOCK_P), dtype)),
                        y_rows=plgpu.SMEM((CHUNK, BLOCK_P), dtype),
                        s_ready=plgpu.Barrier(num_barriers=_PUBLISH), s_free=plgpu.Barrier(num_barriers=_PUBLISH))
+    if has_z:
+        z_shape = (_Z_SLOTS, CHUNK, PIECE)
+        scratch.update(z_tiles=plgpu.RefUnion(untiled(z_shape), tiles.swizzled(z_shape, dtype)),
+                       z_bar=plgpu.Barrier(num_barriers=_Z_SLOTS))
     if interpret:
         scratch.update(xw_hi_d=tiles.swizzled((BLOCK_P, CHUNK), dtype), xw_lo_d=tiles.swizzled((BLOCK_P, CHUNK), dtype))
         if has_output:
