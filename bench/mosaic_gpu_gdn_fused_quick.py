@@ -9,6 +9,7 @@ wall = median of `bench.common.jax_time` (device-synced calls, compile excluded)
 from a profiler trace (`bench.profile_delta.kernel_times`), total and per kernel. Printed for the fused pass: max
 relative difference (max |a - b| / max |b|) against the unfused v1 pipeline of o (real tokens), final states and
 checkpoints (both are ~1e-3 from float64: tests/gpu/test_mosaic_gpu_gdn_fused.py measures which is closer).
+"(blocked)" pipelines run the "blocked" inverse (`pallas_mosaic_gpu_intra` docstring) in `gdn_intra` or `gdn_kkt`.
 `--interpret` is a CPU dry run at tiny sizes (e.g. `--shapes 1x130x1 --dim 64 --reps 1`), not a measurement.
 """
 
@@ -80,21 +81,30 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     interpret = args.interpret
 
-    def unfused(state_pass):
+    def unfused(state_pass, **tuning):
         def run(p, init):
             tiles = mgi.gdn_intra(p.lay.chunk_start, p.lay.chunk_len, p.q, p.k, p.v, p.beta, p.G, chunk=64,
-                                  group=p.v.shape[1] // p.q.shape[1], scale=p.scale, interpret=interpret)
+                                  group=p.v.shape[1] // p.q.shape[1], scale=p.scale, interpret=interpret, **tuning)
             return state_pass(p, *tiles, init, per_channel_decay=False, interpret=interpret)
         return run
 
-    def kkt_only(p, init):
-        lay = p.lay
-        return fused.gdn_kkt(lay.chunk_start, lay.chunk_len, p.q, p.k, p.v, p.beta, group=1, interpret=interpret)
+    def kkt_only(inverse):
+        def run(p, init):
+            lay = p.lay
+            return fused.gdn_kkt(lay.chunk_start, lay.chunk_len, p.q, p.k, p.v, p.beta, group=1, interpret=interpret,
+                                 inverse=inverse)
+        return run
+
+    def fused_pass(kkt_inverse):
+        return lambda p, init: fused.gdn_fused_pass(p, init, interpret=interpret, kkt_inverse=kkt_inverse)
 
     pipelines = {"unfused intra+state_pass": unfused(mgd.state_pass),
                  "unfused intra+state_pass_v2": unfused(mgs.state_pass_v2),
-                 "fused gdn_fused_pass": lambda p, init: fused.gdn_fused_pass(p, init, interpret=interpret),
-                 "fused gdn_kkt alone": kkt_only}
+                 "unfused intra+state_pass_v2 (blocked)": unfused(mgs.state_pass_v2, inverse="blocked"),
+                 "fused gdn_fused_pass": fused_pass("f16"),
+                 "fused gdn_fused_pass (blocked)": fused_pass("blocked"),
+                 "fused gdn_kkt alone": kkt_only("f16"),
+                 "fused gdn_kkt alone (blocked)": kkt_only("blocked")}
     for shape in args.shapes:
         batch, tokens, heads = (int(n) for n in shape.split("x"))
         for num_ckpt in args.checkpoints:
@@ -117,14 +127,14 @@ def main(argv=None):
                 note = ""
                 if baseline is None:
                     baseline = out
-                elif name == "fused gdn_fused_pass":
+                elif name.startswith("fused gdn_fused_pass"):
                     # the fused pass's o is in token order, v1's chunk-major
                     o_a = np.asarray(jnp.asarray(out[0], jnp.float32))[token_valid]
                     o_b = np.asarray(jnp.asarray(baseline[0], jnp.float32))[rows]
                     note = (f"\n    vs unfused v1 max-rel: o {max_rel(o_a, o_b):.1e} final "
                             f"{max_rel(out[1], baseline[1]):.1e} ckpt "
                             f"{max_rel(*(np.asarray(x[2])[:ck_valid.size][ck_valid] for x in (out, baseline))):.1e}")
-                print(f"{label} {name:28s} wall {wall:8.3f} ms  device {device_ms:8.3f} ms\n    kernels (ms): "
+                print(f"{label} {name:38s} wall {wall:8.3f} ms  device {device_ms:8.3f} ms\n    kernels (ms): "
                       f"[{named}]{note}", flush=True)
 
 

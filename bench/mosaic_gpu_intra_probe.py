@@ -27,7 +27,7 @@ from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles  # noqa: E402
 orig_inverse, orig_stage = mi._inverse, mi._stage_out
 
 def inverse_levels(first):
-    def inv(A, t_buf, p_buf, lhs_buf=None):
+    def inv(A, t_buf, p_buf, lhs_buf=None, *, pad=None):  # pad: the "blocked" inverse's, unused here
         sq = (mi.CHUNK, mi.CHUNK)
         parts = t_buf.shape[0]
         lhs_buf = t_buf if lhs_buf is None else lhs_buf

@@ -39,6 +39,7 @@ VARIANTS = {
     "f16_cta2": dict(inverse="f16", chunks_per_cta=2, landing="swizzled"),
     "f16_cta4": dict(inverse="f16", chunks_per_cta=4, landing="swizzled"),
     "f16_cta8": dict(inverse="f16", chunks_per_cta=8, landing="swizzled"),
+    "blocked": dict(inverse="blocked", chunks_per_cta=1, landing="swizzled"),
 }
 
 

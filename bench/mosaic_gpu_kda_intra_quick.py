@@ -36,6 +36,7 @@ VARIANTS = {
     "parts2": dict(score_parts=2),
     "split_parts2": dict(score_parts=2, inverse="split"),
     "shifted": dict(reference="shifted"),
+    "blocked": dict(inverse="blocked"),
 }
 
 

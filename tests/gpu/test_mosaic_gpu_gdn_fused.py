@@ -43,9 +43,9 @@ def make_case(seed, lengths, offsets, *, heads, group, padding=0, mild=False):
     return x, meta, init
 
 
-def run(pipeline, x, meta, init):
-    """(o of the real tokens, final states, checkpoints) of "fused" (`gdn_fused_pass`) or "unfused" (`gdn_intra` +
-    `pallas_mosaic_gpu_delta.state_pass`) from `prepare`, on the GPU."""
+def run(pipeline, x, meta, init, kkt_inverse="f16"):
+    """(o of the real tokens, final states, checkpoints) of "fused" (`gdn_fused_pass`, `gdn_kkt` with kkt_inverse) or
+    "unfused" (`gdn_intra` + `pallas_mosaic_gpu_delta.state_pass`) from `prepare`, on the GPU."""
     import jax
     import jax.numpy as jnp
 
@@ -63,7 +63,7 @@ def run(pipeline, x, meta, init):
                                  chunk_size=64, interpret=False)
         lay = p.lay
         if pipeline == "fused":
-            o, final, ckpts = fused.gdn_fused_pass(p, init)  # token order, padding tokens zero
+            o, final, ckpts = fused.gdn_fused_pass(p, init, kkt_inverse=kkt_inverse)  # token order, padding zero
         else:
             tiles = mgi.gdn_intra(lay.chunk_start, lay.chunk_len, p.q, p.k, p.v, p.beta, p.G, chunk=64,
                                   group=p.v.shape[1] // p.q.shape[1], scale=p.scale)
@@ -77,7 +77,7 @@ def run(pipeline, x, meta, init):
     return [o[token_valid], final, ckpts[checkpoint_valid]]
 
 
-def run_pipelines(x, meta, init):
+def run_pipelines(x, meta, init, kkt_inverse="f16"):
     """(fused, unfused, float64): each (o of the real tokens, final states, checkpoints)."""
     import jax.numpy as jnp
 
@@ -86,7 +86,7 @@ def run_pipelines(x, meta, init):
     num_real = int(meta["cu_seqlens"][-1])
     args = [np.asarray(jnp.asarray(x[name], jnp.float32))[:num_real] for name in ("q", "k", "v", "g", "beta")]
     expected = gdn_reference(*args, initial_state=init, **meta)
-    return run("fused", x, meta, init), run("unfused", x, meta, init), expected
+    return run("fused", x, meta, init, kkt_inverse), run("unfused", x, meta, init), expected
 
 
 def check(label, fused, unfused, expected):
@@ -99,15 +99,47 @@ def check(label, fused, unfused, expected):
         assert err_f <= 1.1 * err_u + 1e-5, (label, name, err_f, err_u)  # no worse than the current pipeline
 
 
+@pytest.mark.parametrize("kkt_inverse", ["f16", "blocked"])
 @pytest.mark.parametrize("mild", [False, True], ids=["softplus", "mild"])
-def test_real_shape_against_float64_and_unfused(mild):
-    # (1, 8192, 16), K = V = 128: checkpoints at 1, on chunk boundaries (position 0), two in one chunk, at T - 1
+def test_real_shape_against_float64_and_unfused(mild, kkt_inverse):
+    # (1, 8192, 16), K = V = 128: checkpoints at 1, on chunk boundaries (position 0), two in one chunk, at T - 1.
+    # kkt_inverse "blocked": gdn_kkt's substitution for T0's diagonal blocks, which runs only here
     import jax
 
     assert jax.default_backend() == "gpu"
     offsets = [np.array([1, 640, 1000, 1030, 4096, 8191])]
     case = make_case(20261130, [8192], offsets, heads=16, group=1, mild=mild)
-    check(f"1x8192x16 {'mild' if mild else 'softplus'} decay", *run_pipelines(*case))
+    check(f"1x8192x16 {'mild' if mild else 'softplus'} decay kkt {kkt_inverse}", *run_pipelines(*case, kkt_inverse))
+
+
+def test_kkt_blocked_inverse_against_float64():
+    # T0 of every chunk with the substitution ("blocked") and with the doubling ("f16"): both in the fp16 class
+    # against a float64 inverse of the masked chunk (module docstring of pallas_mosaic_gpu_intra: ~1e-3 of max |T0|)
+    import jax
+    import jax.numpy as jnp
+
+    from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as fused
+    from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+
+    x, meta, _ = make_case(11, [3000, 1, 1189], [np.array([], np.int64)] * 3, heads=2, group=2, padding=2)
+    p = triton_delta.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], per_channel_decay=False, scale=None,
+                             use_qk_l2norm=False, cu_seqlens=jnp.asarray(meta["cu_seqlens"]), checkpoint_cu=None,
+                             checkpoint_offsets=None, chunk_size=64, interpret=False)
+    lay = p.lay
+    t0 = {inverse: np.asarray(jnp.asarray(fused.gdn_kkt(lay.chunk_start, lay.chunk_len, p.q, p.k, p.v, p.beta,
+                                                        group=2, inverse=inverse)[0], jnp.float32), np.float64)
+          for inverse in fused.KKT_INVERSES}
+    k, beta = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (p.k, p.beta))
+    worst = dict.fromkeys(t0, 0.0)
+    for c, (start, length) in enumerate(zip(*jax.device_get((lay.chunk_start, lay.chunk_len)))):
+        for h in range(4):
+            kc, b = np.zeros((64, k.shape[-1])), np.zeros(64)
+            kc[:length], b[:length] = k[start:start + length, h // 2], beta[start:start + length, h]
+            exact = np.linalg.inv(np.eye(64) + np.tril(b[:, None] * (kc @ kc.T), -1))
+            for inverse, t in t0.items():
+                worst[inverse] = max(worst[inverse], np.abs(t[h, c] - exact).max() / np.abs(exact).max())
+    print(f"gdn_kkt T0 max |T0 - exact| / max |exact|: {worst}")
+    assert max(worst.values()) <= 1e-2, worst
 
 
 @pytest.mark.parametrize("heads, group", [(4, 1), (2, 2)])

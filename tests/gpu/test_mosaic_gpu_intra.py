@@ -22,6 +22,10 @@ FIRST = dict(inverse="split", chunks_per_cta=1, landing="rows")  # the kernel's 
     ("bfloat16", 4, 1, 6e-3, dict(inverse="split", chunks_per_cta=3, landing="rows")),
     ("float16", 4, 1, 2e-3, dict(inverse="f16", chunks_per_cta=8)),
     ("float32", 4, 1, 3e-5, {}),   # the precise path: split-bf16 products, not TF32
+    # the substitution for T's 16 x 16 diagonal blocks (Mosaic GPU code: it runs only here, the interpreter doubles)
+    ("bfloat16", 4, 1, 6e-3, dict(inverse="blocked")),
+    ("bfloat16", 2, 2, 6e-3, dict(inverse="blocked", landing="rows")),
+    ("float16", 4, 1, 2e-3, dict(inverse="blocked")),
 ])
 def test_real_shape_against_triton_and_float64(dtype, num_heads, group, tol, tuning):
     import jax

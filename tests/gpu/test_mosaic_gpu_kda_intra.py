@@ -18,6 +18,10 @@ pytestmark = pytest.mark.gpu
     ("bfloat16", True, {}, 6e-3),   # G far below -88 inside chunks: a naive factorisation would overflow
     ("float16", False, {}, 2e-3),
     ("float32", False, {}, 3e-5),   # the precise path: split-bf16 products, not TF32
+    # the substitution for T's 16 x 16 diagonal blocks (Mosaic GPU code: it runs only here, the interpreter doubles)
+    ("bfloat16", False, dict(inverse="blocked"), 6e-3),
+    ("bfloat16", True, dict(inverse="blocked"), 6e-3),
+    ("float16", False, dict(inverse="blocked"), 2e-3),
 ])
 def test_real_shape_against_triton_and_float64(dtype, strong, tuning, tol):
     import jax

@@ -130,15 +130,18 @@ def test_gdn_checkpoints_leave_outputs_bitwise_unchanged(gdn_case):
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
-def test_with_the_mosaic_gpu_intra_pass(per_channel):
+@pytest.mark.parametrize("intra_inverse", [None, "blocked"])
+def test_with_the_mosaic_gpu_intra_pass(per_channel, intra_inverse):
     # the whole pipeline on wgmma: its w / u carry the intra kernels' own rounding (bf16 right-hand sides, their
-    # inverses), so it meets the bf16 class against float64 and stays near the Triton pipeline
+    # inverses), so it meets the bf16 class against float64 and stays near the Triton pipeline. intra_inverse
+    # "blocked" reaches the kernels (under the interpreter it doubles from s = 2, `pallas_mosaic_gpu_intra`)
     inputs, options = make_case(np.random.default_rng(79 + per_channel), per_channel=per_channel, layout="vk")
     options["initial_state"] = options["initial_state"].swapaxes(-1, -2).copy()
     mosaic, triton_op, reference_op = ((kda_mosaic.kda, kda_triton.kda, kda_reference.kda) if per_channel else
                                        (gdn_mosaic.gated_delta_rule, gdn_triton.gated_delta_rule,
                                         gdn_reference.gated_delta_rule))
-    actual = run(mosaic, poisoned(inputs), options, intra="mosaic_gpu")
+    tuning = {} if intra_inverse is None else dict(intra_inverse=intra_inverse)
+    actual = run(mosaic, poisoned(inputs), options, intra="mosaic_gpu", **tuning)
     reference = reference_op(**inputs, **options)
     triton = run(triton_op, poisoned(inputs), options, fuse_output=True)
     padding = slice(CU_SEQLENS[-1], None)
@@ -227,6 +230,12 @@ def test_supports_names_the_reason():
         gdn_mosaic.gated_delta_rule(**fp32, interpret=True)
     assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu", kda_intra="split").startswith("tuning:")
     assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu") is None
+    # intra_inverse reaches the Mosaic GPU intra kernels' `inverse` (and is checked there)
+    assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu", intra_inverse="blocked") is None
+    assert "inverse" in gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu", intra_inverse="tf32")
+    assert "intra_inverse" in gdn_mosaic.supports(**inputs, interpret=True, intra="pallas_triton",
+                                                  intra_inverse="blocked")
+    assert "intra_inverse" in gdn_mosaic.supports(**inputs, interpret=True, state="fused", intra_inverse="blocked")
     # first in the automatic order; off a Hopper GPU it declines with its reason and the order falls back
     call = dict(inputs, chunk_size=64)
     choice = common_api.choose_implementation(gdn_api.REGISTRY, None, **call)

@@ -116,14 +116,17 @@ def test_pass_against_float64_and_unfused_pipeline():
     np.testing.assert_array_equal(got[1][1], np.asarray(init)[1])
 
 
-def test_kkt_inverse_and_copies():
-    # T0 against a float64 inverse of the masked chunk; the copies hold each chunk's tokens with zero padding rows
+@pytest.mark.parametrize("inverse", ["f16", "blocked"])
+def test_kkt_inverse_and_copies(inverse):
+    # T0 against a float64 inverse of the masked chunk; the copies hold each chunk's tokens with zero padding rows.
+    # "blocked" doubles from s = 2 under the interpreter (its substitution lowers only, below): this runs its SMEM
+    # layout (the pad tile aliased with the doubling's operands)
     seed = seed_now()
     x, _ = make_case(seed)
     p = prepared(x)
     lay = p.lay
     t0, q_c, k_c, v_c, beta_c = fused.gdn_kkt(lay.chunk_start, lay.chunk_len, p.q, p.k, p.v, p.beta, group=2,
-                                              interpret=True)
+                                              interpret=True, inverse=inverse)
     f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
     k, v, beta = f64(p.k), f64(p.v), f64(p.beta)
     for c, (start, length) in enumerate(zip(np.asarray(lay.chunk_start), np.asarray(lay.chunk_len))):
@@ -208,6 +211,9 @@ def test_supports_declines():
     assert "K:" in fused.supports(q[..., :32], q[..., :32], v, beta, interpret=True)
     assert "multiple" in fused.supports(q, q, v[:, :3], beta[:, :3], interpret=True)
     assert "sm_90" in fused.supports(q, q, v, beta)  # on CPU
+    with pytest.raises(ValueError, match="inverse"):
+        fused.gdn_kkt(jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), q, q, v, beta, group=2, interpret=True,
+                      inverse="split")
 
 
 @pytest.mark.parametrize("mode", ["plain", "checkpoints", "map"])
@@ -225,10 +231,13 @@ def test_lowers_for_sm90(monkeypatch, mode, head_k, head_v):
     arg = jax.ShapeDtypeStruct
     T, H, HV, NC, L, M, dtype = 1000, 2, 4, 20, 3, 5, jnp.bfloat16
     i32 = lambda *shape: arg(shape, jnp.int32)  # noqa: E731
-    kkt = export.export(jax.jit(lambda *a: fused.gdn_kkt(*a, group=2)), platforms=["cuda"])(
-        i32(NC), i32(NC), arg((T, H, head_k), dtype), arg((T, H, head_k), dtype), arg((T, HV, head_v), dtype),
-        arg((T, HV), jnp.float32))
-    assert "gdn_kkt_mosaic_gpu" in kkt.mlir_module()
+    for inverse in fused.KKT_INVERSES:  # "blocked": the substitution lowers only here
+        kkt = export.export(jax.jit(lambda *a: fused.gdn_kkt(*a, group=2, inverse=inverse)), platforms=["cuda"])(
+            i32(NC), i32(NC), arg((T, H, head_k), dtype), arg((T, H, head_k), dtype), arg((T, HV, head_v), dtype),
+            arg((T, HV), jnp.float32))
+        assert "gdn_kkt_mosaic_gpu" in kkt.mlir_module()
+        # two CTAs per SM (228 KB, 1 KB reserved per CTA): the pad tile shares the doubling operands' bytes
+        assert 2 * (sizes[-1] + 1024) <= 228 * 1024, (inverse, sizes[-1])
     lanes = [i32(L), i32(L), i32(NC), i32(NC), arg((H, NC, C, head_k), dtype), arg((H, NC, C, head_k), dtype),
              arg((HV, NC, C, head_v), dtype), arg((HV, NC, C), jnp.float32), arg((HV, NC, C), jnp.float32),
              arg((HV, NC, C, C), dtype)]

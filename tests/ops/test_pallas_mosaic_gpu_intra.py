@@ -119,6 +119,10 @@ def fresh_interpreter():
     # several chunks per CTA: 4 chunks in blocks of 3 (the second block runs 1 of its 3 iterations)
     (jnp.bfloat16, 1, 2, 128, 128, dict(inverse="f16", chunks_per_cta=3)),
     (jnp.float16, 2, 1, 64, 64, dict(inverse="split", chunks_per_cta=2, landing="rows")),
+    # under the interpreter "blocked" doubles from s = 2 (it cannot run the substitution): this checks its SMEM
+    # layout (the pad tile in the RefUnion) under the race detector and the rest of the kernel
+    (jnp.bfloat16, 1, 2, 64, 128, dict(inverse="blocked")),
+    (jnp.float16, 2, 1, 128, 64, dict(inverse="blocked", landing="rows")),
 ])
 def test_matches_triton_and_float64(dtype, num_heads, group, head_k, head_v, tuning):
     seed = int(np.random.SeedSequence().entropy % 2 ** 32)
@@ -138,6 +142,9 @@ def test_supports_reasons():
     assert "tuning" in mgi.supports(q, q, v, beta, G, interpret=True, block_v=64)
     assert "inverse" in mgi.supports(q, q, v, beta, G, interpret=True, inverse="tf32")
     assert "inverse" in mgi.supports(q, q.astype(jnp.float32), v, beta, G, interpret=True, inverse="f16")
+    assert "inverse" in mgi.supports(q, q.astype(jnp.float32), v, beta, G, interpret=True, inverse="blocked")
+    assert "chunks_per_cta" in mgi.supports(q, q, v, beta, G, interpret=True, inverse="blocked", chunks_per_cta=2)
+    assert mgi.supports(q, q, v, beta, G, interpret=True, inverse="blocked", landing="rows") is None
     assert "chunks_per_cta" in mgi.supports(q, q, v, beta, G, interpret=True, chunks_per_cta=0)
     assert "chunks_per_cta" in mgi.supports(q, q, v.astype(jnp.float32), beta, G, interpret=True, chunks_per_cta=2)
     assert "landing" in mgi.supports(q, q, v, beta, G, interpret=True, landing="tiled")
@@ -157,6 +164,9 @@ def test_supports_reasons():
     (jnp.bfloat16, 128, 128, dict(inverse="f16", chunks_per_cta=4, landing="swizzled"), True),
     (jnp.float16, 64, 128, dict(inverse="split", chunks_per_cta=2, landing="rows"), True),
     (jnp.float32, 128, 128, {}, False),
+    # the substitution (Mosaic GPU code the interpreter cannot run) lowers only here; its pad tile is aliased
+    (jnp.bfloat16, 128, 128, dict(inverse="blocked"), True),
+    (jnp.float16, 64, 64, dict(inverse="blocked", landing="rows"), True),
 ])
 def test_lowers_for_sm90(monkeypatch, dtype, head_k, head_v, tuning, two_per_sm):
     """The whole Pallas -> Mosaic GPU lowering for an H100/H200 runs on CPU: it checks what the interpreter does
@@ -180,3 +190,47 @@ def test_lowers_for_sm90(monkeypatch, dtype, head_k, head_v, tuning, two_per_sm)
     fn = jax.jit(lambda *a: mgi.gdn_intra(*a, chunk=CHUNK, group=2, scale=0.1, **tuning))
     assert "gdn_intra_mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
     assert (2 * (max(sizes) + 1024) <= 228 * 1024) == two_per_sm, max(sizes)
+
+
+def _blocked_inverse_numpy(A, round_operand):
+    """The "blocked" inverse in numpy: T_16 by `tiles.substitute_column` in float32 (fma as a float32 multiply-add),
+    then the doubling levels s = 16, 32 with operands rounded by round_operand and float32 accumulation."""
+    from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
+
+    f32 = np.float32
+    A = A.astype(f32)
+    T = np.zeros((CHUNK, CHUNK), f32)
+    for base in range(0, CHUNK, tiles.BLOCK):
+        for j in range(tiles.BLOCK):
+            x = [f32(i == j) for i in range(tiles.BLOCK)]
+            x = tiles.substitute_column(x, lambda i, m: -A[base + i, base + m], lambda a, b, c: f32(a * b + c))
+            T[base:base + tiles.BLOCK, base + j] = x
+    rows, cols = np.indices((CHUNK, CHUNK))
+    s = tiles.BLOCK
+    while s < CHUNK:
+        A_s = np.where((rows // (2 * s) == cols // (2 * s)) & (rows % (2 * s) >= s) & (cols % (2 * s) < s), A, 0)
+        dot = lambda a, b: round_operand(a).astype(f32) @ round_operand(b).astype(f32)
+        T = T - dot(T, dot(A_s, T))
+        s *= 2
+    return T
+
+
+def test_blocked_inverse_math():
+    """The substitution's loop (`tiles.substitute_column`, the code the kernel emits) solves each 16 x 16 block
+    exactly in fp32, and with the fp16 doubling levels s = 16, 32 the whole inverse lands in the "f16" class
+    (module docstring: max |T - T_exact| / max |T| <= 7.8e-4 there) on correlated unit keys."""
+    rng = np.random.default_rng(0)
+    worst_block, worst = 0.0, 0.0
+    for _ in range(4):
+        k = rng.standard_normal((CHUNK, 32)) + 3 * rng.standard_normal(32)  # correlated keys
+        k /= np.linalg.norm(k, axis=1, keepdims=True)
+        beta = rng.uniform(0, 1, CHUNK)
+        A = np.tril(beta[:, None] * (k @ k.T), -1)
+        exact = np.linalg.inv(np.eye(CHUNK) + A)
+        block = np.kron(np.eye(CHUNK // 16), np.ones((16, 16))) > 0
+        T16 = _blocked_inverse_numpy(np.where(block, A, 0), lambda x: x)  # no off-block A: the levels add nothing
+        worst_block = max(worst_block, np.abs(T16 - np.linalg.inv(np.eye(CHUNK) + np.where(block, A, 0))).max())
+        T = _blocked_inverse_numpy(A, lambda x: x.astype(np.float16))
+        worst = max(worst, np.abs(T - exact).max() / np.abs(exact).max())
+    assert worst_block < 1e-5, worst_block
+    assert worst < 1e-3, worst

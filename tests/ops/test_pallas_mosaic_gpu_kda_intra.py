@@ -118,6 +118,9 @@ def fresh_interpreter():
     (jnp.bfloat16, 1, 2, dict(score_parts=2, inverse="split")),
     (jnp.float16, 1, 1, {}),
     (jnp.float32, 1, 2, {}),  # everything split
+    # under the interpreter "blocked" doubles from s = 2 (it cannot run the substitution): this runs its SMEM layout
+    # (the pad tile nested with beta V's and the inverse's tiles) under the race detector
+    (jnp.bfloat16, 1, 2, dict(inverse="blocked")),
 ])
 def test_matches_triton_and_float64(dtype, num_heads, group, tuning):
     seed = int(np.random.SeedSequence().entropy % 2 ** 32)
@@ -165,6 +168,11 @@ def test_supports_reasons(monkeypatch):
     assert "reference" in mki.supports(q, q, v, beta, G, interpret=True, reference="gather")
     q32, v32 = jnp.zeros((8, 2, 64)), jnp.zeros((8, 4, 64))
     assert "inverse" in mki.supports(q32, q32, v32, beta, G, interpret=True, inverse="f16")
+    assert "inverse" in mki.supports(q32, q32, v32, beta, G, interpret=True, inverse="blocked")
+    assert mki.supports(q, q, v, beta, G, interpret=True, inverse="blocked") is None
+    # the pad tile shares the bytes of beta V's and the inverse's tiles
+    assert mki._smem_bytes(128, 128, jnp.dtype(jnp.bfloat16), 1, "blocked") == mki._smem_bytes(
+        128, 128, jnp.dtype(jnp.bfloat16), 1, "f16")
     smem = mki._smem_bytes(128, 128, jnp.dtype(jnp.bfloat16), 2, "split")
     monkeypatch.setattr(mki, "SMEM_LIMIT", smem - 1)
     q128, v128 = jnp.zeros((8, 2, 128), jnp.bfloat16), jnp.zeros((8, 4, 128), jnp.bfloat16)
@@ -184,6 +192,8 @@ def test_supports_reasons(monkeypatch):
     (jnp.bfloat16, 128, 128, {}, True),  # the default: two CTAs share an SM
     (jnp.bfloat16, 128, 128, dict(score_parts=2, inverse="split", reference="select"), False),
     (jnp.float32, 128, 128, {}, False),  # 210 KB of SMEM, the largest configuration
+    (jnp.bfloat16, 128, 128, dict(inverse="blocked"), True),  # the substitution lowers only here
+    (jnp.float16, 64, 64, dict(inverse="blocked"), True),
 ])
 def test_lowers_for_sm90(monkeypatch, dtype, head_k, head_v, tuning, two_per_sm):
     """The whole Pallas -> Mosaic GPU lowering for an H100/H200 runs on CPU: it checks what the interpreter does

@@ -103,10 +103,12 @@ INTRA = ("pallas_triton", "mosaic_gpu")
 MAX_PIECES = 64  # the piece scan is unrolled, and N * pieces lanes sit on one grid axis
 STATES = ("v1", "v2", "fused")
 TUNING_KEYS = ("intra", "intra_num_warps", "num_stages", "kda_intra", "kda_diag", "kda_block_k", "state", "pieces",
-               "kda_score_parts", "state_terms")
+               "kda_score_parts", "state_terms", "intra_inverse")
 _INTRA_TUNING = ("intra_num_warps", "num_stages", "kda_intra", "kda_diag", "kda_block_k")
 # state "fused" forms the intra products itself (`gdn_kkt` and the lanes loop); the cumsum launch keeps its tuning
-_NOT_FUSED = ("intra", "kda_intra", "kda_diag", "kda_block_k", "kda_score_parts")
+_NOT_FUSED = ("intra", "kda_intra", "kda_diag", "kda_block_k", "kda_score_parts", "intra_inverse")
+# the Mosaic GPU intra kernels' options as the op names them
+_MOSAIC_INTRA_TUNING = {"kda_score_parts": "score_parts", "intra_inverse": "inverse"}
 _F32 = jnp.float32
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
@@ -229,13 +231,16 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=Non
         intra_module = mosaic_kda_intra if g.ndim == 3 else mosaic_intra
         gate_tail = (q.shape[-1],) if g.ndim == 3 else ()
         G = jax.ShapeDtypeStruct((v.shape[1], num_chunks, CHUNK, *gate_tail), _F32)
-        mosaic_tuning = {"score_parts": tuning["kda_score_parts"]} if "kda_score_parts" in tuning else {}
+        mosaic_tuning = {_MOSAIC_INTRA_TUNING[key]: value for key, value in tuning.items()
+                         if key in _MOSAIC_INTRA_TUNING}
         reason = intra_module.supports(q, k, v, beta, G, chunk=chunk_size, interpret=interpret, **mosaic_tuning)
         if reason is not None:
             return f"intra pass (mosaic_gpu): {reason}"
     if intra == "pallas_triton" or "intra" not in tuning:  # left out, the call may run either (`default_tuning`)
         if "kda_score_parts" in tuning:
             return "tuning: kda_score_parts tunes the KDA Mosaic GPU intra pass; it needs intra='mosaic_gpu'"
+        if "intra_inverse" in tuning:
+            return "tuning: intra_inverse tunes the Mosaic GPU intra passes; it needs intra='mosaic_gpu'"
         reason = triton_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **intra_tuning)
         if reason is not None:
             return f"intra pass (pallas_triton): {reason}"
@@ -441,7 +446,7 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
                       cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
                       interpret=False, intra=None, intra_num_warps=4, num_stages=2, kda_intra="split",
                       kda_diag="doubling", kda_block_k=None, state=None, pieces=None, kda_score_parts=None,
-                      state_terms=None):
+                      state_terms=None, intra_inverse=None):
     """`pallas_triton_delta.delta_rule` with the Mosaic GPU state pass (module docstring); same arguments and results.
 
     q, k                # [T, H, K] 16-bit
@@ -454,7 +459,8 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     `intra`: the kernels producing w, u, kd, qg, aqk ("pallas_triton": `pallas_triton_delta.intra_v2`, tuned by
     intra_num_warps, num_stages and, for KDA, kda_intra, kda_diag, kda_block_k as there; "mosaic_gpu": wgmma
     kernels with the same layouts, `pallas_mosaic_gpu_intra.gdn_intra` / `pallas_mosaic_gpu_kda_intra.kda_intra`, the
-    latter's `score_parts` as kda_score_parts: 2 feeds the score products as hi + lo pairs). `interpret`: True runs
+    latter's `score_parts` as kda_score_parts: 2 feeds the score products as hi + lo pairs, and both kernels'
+    `inverse` as intra_inverse: "f16", "split" or "blocked", None their default). `interpret`: True runs
     every kernel on CPU; a `plgpu.InterpretGPUParams` (e.g. detect_races=True) does too, with those settings for the
     Mosaic GPU interpreter. Left out, intra, state and pieces take `default_tuning`'s values.
     `state`: the state pass, "v1" (`state_pass`: one CTA per row, value head and V / 64) or "v2" (the lanes kernel,
@@ -472,7 +478,7 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padding tokens and padded checkpoint entries are zeros.
     """
     if state == "fused":
-        given = {"intra": intra, "kda_score_parts": kda_score_parts}
+        given = {"intra": intra, "kda_score_parts": kda_score_parts, "intra_inverse": intra_inverse}
         given = sorted(name for name, value in given.items() if value is not None)
         if given:
             raise ValueError(f"tuning: {given} tune the intra pass, which state='fused' replaces with its own kernels")
@@ -513,7 +519,8 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     else:
         if intra == "mosaic_gpu":
             intra_kernel = mosaic_kda_intra.kda_intra if per_channel_decay else mosaic_intra.gdn_intra
-            mosaic_tuning = {} if kda_score_parts is None else {"score_parts": kda_score_parts}
+            given = {"kda_score_parts": kda_score_parts, "intra_inverse": intra_inverse}
+            mosaic_tuning = {_MOSAIC_INTRA_TUNING[key]: value for key, value in given.items() if value is not None}
             w, u, kd, qg, aqk = intra_kernel(p.lay.chunk_start, p.lay.chunk_len, p.q, p.k, p.v, p.beta, p.G,
                                              chunk=chunk_size, group=p.v.shape[1] // p.q.shape[1], scale=p.scale,
                                              interpret=interpret, **mosaic_tuning)

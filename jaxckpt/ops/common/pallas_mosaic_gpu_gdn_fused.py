@@ -21,7 +21,10 @@ Kernels:
    ([T, H, K] at a chunk start that follows cu_seqlens) untiled into 128-byte-swizzled pieces, masks rows past the
    chunk's length to zero in registers (a select: NaN padding stays out), forms k k^T with a wgmma and T0 by
    `pallas_mosaic_gpu_intra`'s recursive doubling (fp16 operands: the "f16" inverse, whose accuracy and range,
-   fine for l2-normalized keys and beta <= 1, are in that module's docstring), and writes T0 [HV, NC, C, C] in the
+   fine for l2-normalized keys and beta <= 1, are in that module's docstring; `inverse="blocked"`: that module's
+   "blocked" inverse, T0's 16 x 16 diagonal blocks by fp32 forward substitution and then the fp16 levels s = 16, 32
+   only, 4 dependent products instead of 10, its 18 KB pad tile aliased with the doubling's operand tiles; not yet
+   measured, so "f16" stays the default), and writes T0 [HV, NC, C, C] in the
    16-bit I/O dtype plus *chunk-major copies* of q, k ([H, NC, C, K], written by the CTA of each key head's first
    value head) and v ([HV, NC, C, V]), rows past the chunk zero. Why copies: the state loop needs q, k, v as tiled
    wgmma operands, and a TMA copy into a tiled SMEM tile must start on an 8-row tile of its GMEM array
@@ -144,7 +147,9 @@ def _decayed_lower(G_row, G_col, shape):
 
 
 def _kkt_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, t0_ref, qc_ref, kc_ref, vc_ref, land_q, land_k,
-                land_v, k_s, t_buf, p_buf, t_out, b_row_s, bar, *, group):
+                land_v, k_s, inv_bufs, t_out, b_row_s, bar, *, group, substitute):
+    # inv_bufs: ((t_buf, p_buf), [] or [pad]), aliased (the pad is dead before the doubling writes its operands)
+    (t_buf, p_buf), pad = inv_bufs
     c, h = lax.axis_index("c"), lax.axis_index("h")
     hk = lax.div(h, group)
     start, length = start_ref[c], len_ref[c]
@@ -171,14 +176,19 @@ def _kkt_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, t0_ref, qc_re
 
     b_row = plgpu.load(b_row_s, layout=_ROW)
     A = jnp.where(tiles.iota(sq, 0) > tiles.iota(sq, 1), tiles.by_row(b_row, sq) * kk, 0.0)
-    (t_term,) = mosaic_intra._inverse(A, t_buf, p_buf, t_out)
+    (t_term,) = mosaic_intra._inverse(A, t_buf, p_buf, t_out, pad=pad[0] if substitute else None)
     plgpu.copy_smem_to_gmem(t_term, t0_ref.at[h, c])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def gdn_kkt(chunk_start, chunk_len, q, k, v, beta, *, group, interpret=False):
+KKT_INVERSES = ("f16", "blocked")
+
+
+def gdn_kkt(chunk_start, chunk_len, q, k, v, beta, *, group, interpret=False, inverse="f16"):
     """The gate-free inverse T0 = (I + strict_lower(beta_i k_i . k_j))^-1 of every chunk and chunk-major, zero-padded
-    copies of q, k, v (module docstring, kernel 1).
+    copies of q, k, v (module docstring, kernel 1). `inverse`: "f16" (the recursive doubling) or "blocked" (the
+    substitution for T0's 16 x 16 diagonal blocks, then two doubling levels; under `interpret` it doubles from s = 2,
+    as `pallas_mosaic_gpu_intra`'s "blocked" does).
 
     chunk_start, chunk_len  # i32[NC] (`chunk_layout`: a row's chunks restart at its start)
     q, k                    # [T, H, K] 16-bit
@@ -194,6 +204,8 @@ def gdn_kkt(chunk_start, chunk_len, q, k, v, beta, *, group, interpret=False):
         raise ValueError(f"q, k, v: one 16-bit dtype (bfloat16 or float16), got {q.dtype}, {k.dtype}, {v.dtype}")
     if num_v_heads != group * num_heads:
         raise ValueError(f"group: expected HV // H = {num_v_heads // num_heads}, got {group}")
+    if inverse not in KKT_INVERSES:
+        raise ValueError(f"inverse: must be one of {KKT_INVERSES}, got {inverse!r}")
     num_chunks = chunk_start.shape[0]
     beta_c = tiles.chunk_major_beta(chunk_start, chunk_len, beta, chunk=CHUNK)
     width = 128 // dtype.itemsize  # 128-byte column pieces, swizzled as TMA writes them (no tiling: unaligned starts)
@@ -201,12 +213,14 @@ def gdn_kkt(chunk_start, chunk_len, q, k, v, beta, *, group, interpret=False):
                for d in (head_k, head_k, head_v)]
     boxes = (2 * head_k + head_v) // width
     inv_buf = lambda: tiles.swizzled((1, CHUNK, CHUNK), jnp.float16)  # noqa: E731
+    pad = [tiles.substitution_pad()] if inverse == "blocked" else []
     chunk_major = lambda heads, cols: jax.ShapeDtypeStruct((heads, num_chunks, CHUNK, cols), dtype)  # noqa: E731
     kernel = plgpu.kernel(
-        functools.partial(_kkt_kernel, group=group),
+        functools.partial(_kkt_kernel, group=group, substitute=inverse == "blocked" and not interpret),
         out_type=(chunk_major(num_v_heads, CHUNK), chunk_major(num_heads, head_k), chunk_major(num_heads, head_k),
                   chunk_major(num_v_heads, head_v)),
-        scratch_types=[*landing, tiles.swizzled((1, CHUNK, head_k), dtype), inv_buf(), inv_buf(),
+        scratch_types=[*landing, tiles.swizzled((1, CHUNK, head_k), dtype),
+                       plgpu.RefUnion([inv_buf(), inv_buf()], pad),
                        tiles.swizzled((1, CHUNK, CHUNK), dtype), plgpu.SMEM((CHUNK,), _F32),
                        plgpu.Barrier(num_arrivals=boxes + 1)],
         grid=(num_chunks, num_v_heads), grid_names=("c", "h"), interpret=tiles.interpret_params(interpret),
@@ -534,9 +548,9 @@ def gdn_fused_lanes(lane_first, lane_count, chunk_start, chunk_len, q, k, v, bet
     return o, lane_end[:num_lanes].swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
 
 
-def gdn_fused_pass(p, init, *, interpret=False):
+def gdn_fused_pass(p, init, *, interpret=False, kkt_inverse="f16"):
     """`gdn_kkt` + `gdn_fused_lanes` over whole rows: `pallas_mosaic_gpu_delta.state_pass`'s contract for GDN, o in
-    token order.
+    token order. `kkt_inverse`: `gdn_kkt`'s `inverse`.
 
     p     # `pallas_triton_delta.prepare(..., per_channel_decay=False)`
     init  # fp32 [N, HV, K, V] or None (zeros)
@@ -550,7 +564,7 @@ def gdn_fused_pass(p, init, *, interpret=False):
     lay = p.lay
     group = p.v.shape[1] // p.q.shape[1]
     t0, q_c, k_c, v_c, beta_c = gdn_kkt(lay.chunk_start, lay.chunk_len, p.q, p.k, p.v, p.beta, group=group,
-                                        interpret=interpret)
+                                        interpret=interpret, inverse=kkt_inverse)
     checkpoints = None
     if lay.checkpoint_pos.shape[0]:
         ck_start, ck_count = triton_delta._checkpoint_ranges(lay, lay.chunk_len.shape[0])

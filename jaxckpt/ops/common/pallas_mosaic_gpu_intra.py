@@ -22,7 +22,8 @@ h, with G the chunk-local inclusive cumulative log decay (`_cumsum_kernel`'s out
    [[T11, 0], [-T22 A21 T11, T22]], so the only errors are those of the products. `inverse="split"`: each
    product runs on split operands, x = hi + lo with hi = bf16(x), lo = bf16(x - hi) (x to ~2^-17 relative), and
    hi.hi + hi.lo + lo.hi (three bf16 wgmmas, fp32 accumulation), ~2^-16 relative to |a| |b| per product.
-   `inverse="f16"`: one fp16 wgmma per product (Tuning, below).
+   `inverse="f16"`: one fp16 wgmma per product (Tuning, below). `inverse="blocked"`: T_16 solved exactly in fp32
+   by forward substitution (`tiles.block_diagonal_inverse`), then only the levels s = 16, 32 as "f16".
 5. W = T (beta exp(G) K), U = T (beta V) with T split (hi + lo, two wgmmas each; one term of the I/O dtype with the
    fp16 inverse) and the right-hand sides rounded to the input dtype (as FLA); all five outputs go to the
    chunk-major [HV, NC, C, ...] arrays by TMA stores.
@@ -38,9 +39,9 @@ one after another, and only the SM's second CTA fills the gaps. The options shor
 it; each keeps the first form selectable ("split", 1, "rows") for A/B runs (`bench/mosaic_gpu_intra_quick.py
 --variants`).
 
-- `inverse` ("split" | "f16"; default "f16" for 16-bit I/O, fp32 takes only "split"). The doubling is the CTA's
-  critical path: 10 dependent products, each an SMEM round trip (registers to swizzled SMEM, fence and warpgroup
-  barrier, wgmma, wait). "split" issues three wgmmas and stores two terms per operand; "f16" one wgmma and one
+- `inverse` ("split" | "f16" | "blocked"; default "f16" for 16-bit I/O, fp32 takes only "split"). The doubling is
+  the CTA's critical path: 10 dependent products, each an SMEM round trip (registers to swizzled SMEM, fence and
+  warpgroup barrier, wgmma, wait). "split" issues three wgmmas and stores two terms per operand; "f16" one wgmma and one
   term: a third of the inverse's tensor work and half its SMEM stores, all on that path. fp16 keeps 11 significant
   bits, as TF32 does (the Triton kernel's and FLA's merges), and lands in that class. Numpy emulation of this
   doubling (unit keys, beta ~ U(0, 1), 20 chunks per case), max |T - T_exact| / max |T|: fp16 7.3e-4 with keys
@@ -51,6 +52,17 @@ it; each keeps the first form selectable ("split", 1, "rows") for A/B runs (`ben
   Range: fp16 ends at 65504 and goes subnormal below 6e-5 (absolute error <= 2^-25). A's entries are
   beta_i (k_i . k_j) exp(G_i - G_j), at most 1 for l2-normalized keys (GDN's) and beta <= 1, and the emulation's
   max |T| is 1 (the diagonal); un-normalized keys with large beta can overflow it, and "split" is the way back.
+- `inverse="blocked"` (16-bit I/O, one chunk per CTA; not yet measured on the GPU, so no default): the chain
+  shortened from 10 dependent products to 4. T_16, the inverses of the four 16 x 16 diagonal blocks, comes from
+  forward substitution in fp32 registers (`tiles.block_diagonal_inverse`: -A stored to a plain fp32 [64, 72] SMEM
+  tile, whose 72-word rows keep the WGMMA-layout transfers free of 8-way bank conflicts; each of 64 threads solves
+  one column of its block in 15 dependent steps of FMAs on warp-broadcast SMEM reads; T_16 read back in WGMMA
+  layout), exact up to fp32 rounding; then the fp16 levels s = 16, 32. Same class as "f16": the numpy emulation
+  above, 0.9 / 0.99 / 0-correlated keys, gives max |T - T_exact| / max |T| 8.9e-4 / 7.7e-4 / 1.8e-4 against 7.5e-4
+  / 7.7e-4 / 1.8e-4 for the "f16" doubling on the same chunks (`tests/ops/test_pallas_mosaic_gpu_intra.py` checks the
+  loop). The substitution is Mosaic GPU code (`plgpu.inline_mgpu`) that Mosaic GPU's interpreter cannot run: under
+  `interpret` the kernel doubles from s = 2 (the "f16" inverse), and the substitution is checked by its sm_90
+  lowering on CPU and by `tests/gpu/test_mosaic_gpu_intra.py` on the GPU.
 - `chunks_per_cta` (n; 1, the default, is the kernel's first form, one chunk per CTA; more than 1 needs 16-bit
   I/O). Measured slower on the H200 (below), kept selectable for the record of why. A CTA walks n
   consecutive chunks of one value head and issues the next chunk's loads once the current chunk's landing tiles
@@ -86,9 +98,10 @@ nears its memory floor.
 SMEM (`plgpu.RefUnion`s of groups with disjoint lifetimes). n = 1: the landing tiles; q's operand and the score
 outputs' staging; the inverse's operands and the W, U staging. bf16, K = V = 128: 99 KB per CTA (either inverse),
 so two CTAs share an H100/H200 SM (one CTA's loads and stores overlap the other's math); fp32, K = V = 128:
-195 KB, one CTA. n > 1: the landing tiles and beta v's operand live through a chunk; k's and q's operands until
-the scores, then beta exp(G) k's, the inverse's operands and AQK's staging tile (which, with the fp16 inverse,
-then holds T for W and U).
+195 KB, one CTA. "blocked" adds the substitution's 18 KB pad tile as a group of its own (live from the
+scores' last store to T_16 in registers), within the largest group's bytes: two CTAs per SM as before. n > 1: the
+landing tiles and beta v's operand live through a chunk; k's and q's operands until the scores, then beta exp(G)
+k's, the inverse's operands and AQK's staging tile (which, with the fp16 inverse, then holds T for W and U).
 """
 
 from __future__ import annotations
@@ -105,7 +118,7 @@ from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
 TUNING_KEYS = ("inverse", "chunks_per_cta", "landing")
-INVERSES = ("split", "f16")
+INVERSES = ("split", "f16", "blocked")
 LANDINGS = ("rows", "swizzled")
 # CUDA's cap on a grid's y and z dimensions. Mosaic GPU launches a grid reversed onto (x, y, z): the chunk axis of
 # a (chunk, value head) grid lands on y, the first axis of a three-axis grid on z
@@ -125,8 +138,8 @@ def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str
     wide = tiles.io_dtype(k, v).itemsize >= 4
     if tuning.get("inverse", INVERSES[0]) not in INVERSES:
         return f"inverse: must be one of {INVERSES}, got {tuning['inverse']!r}"
-    if wide and tuning.get("inverse") == "f16":
-        return "inverse: 'f16' needs 16-bit inputs (fp32 ones take the precise 'split' path)"
+    if wide and tuning.get("inverse") in ("f16", "blocked"):
+        return f"inverse: {tuning['inverse']!r} needs 16-bit inputs (fp32 ones take the precise 'split' path)"
     if tuning.get("landing", LANDINGS[0]) not in LANDINGS:
         return f"landing: must be one of {LANDINGS}, got {tuning['landing']!r}"
     per_cta = tuning.get("chunks_per_cta", 1)
@@ -134,6 +147,8 @@ def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str
         return f"chunks_per_cta: must be a positive int, got {per_cta!r}"
     if wide and per_cta > 1:
         return "chunks_per_cta: more than 1 needs 16-bit inputs (fp32 tiles do not fit in SMEM twice)"
+    if per_cta > 1 and tuning.get("inverse") == "blocked":
+        return "chunks_per_cta: more than 1 takes inverse 'f16' or 'split' ('blocked' has no SMEM to spare there)"
     return launch_reason(G.shape[1], chunks_per_cta=per_cta, interpret=interpret)
 
 
@@ -173,20 +188,23 @@ def _dot(lhs, rhs, shape):
     return out
 
 
-def _inverse(A, t_buf, p_buf, lhs_buf=None):
+def _inverse(A, t_buf, p_buf, lhs_buf=None, *, pad=None):
     """(I + A)^-1 of a strictly lower-triangular fp32 [C, C] tile by recursive doubling (module docstring, step 4).
 
     t_buf, p_buf: swizzled [parts, C, C] SMEM for the terms of the wgmma operands (bf16 (hi, lo) or one fp16 term,
     `inverse`): T_s (both sides), A_s, then A_s T_s in p_buf. Returns the terms of T in lhs_buf (default t_buf), the
-    left operand of W and U.
+    left operand of W and U. pad (`tiles.substitution_pad`, the "blocked" inverse off the interpreter): T_16 comes
+    from `tiles.block_diagonal_inverse` and the doubling starts at s = 16.
     """
     sq = (CHUNK, CHUNK)
     parts = t_buf.shape[0]
     lhs_buf = t_buf if lhs_buf is None else lhs_buf
-    eye = jnp.where(tiles.iota(sq, 0) == tiles.iota(sq, 1), 1.0, 0.0)
-    T = eye - jnp.where(tiles.half_pairs(1), A, 0.0)
+    if pad is None:
+        eye = jnp.where(tiles.iota(sq, 0) == tiles.iota(sq, 1), 1.0, 0.0)
+        T, s = eye - jnp.where(tiles.half_pairs(1), A, 0.0), 2
+    else:
+        T, s = tiles.block_diagonal_inverse(A, pad), tiles.BLOCK
     t_terms, p_terms = tuple(t_buf.at[p] for p in range(parts)), tuple(p_buf.at[p] for p in range(parts))
-    s = 2
     while s < CHUNK:
         tiles.store_parts(t_buf, T, parts)
         tiles.store_parts(p_buf, jnp.where(tiles.half_pairs(s), A, 0.0), parts)
@@ -256,9 +274,10 @@ def _strict_A(S, b_row, decay):
 
 
 def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref, aqk_ref,
-                  aliased, k_s, kb_s, vb_s, g_row_s, g_col_s, b_row_s, bar, *, group, scale, parts):
-    """One chunk per CTA (`chunks_per_cta=1`)."""
-    (land_q, land_k, land_v), (q_s, score_stages), (inv_bufs, wy_stages) = aliased
+                  aliased, k_s, kb_s, vb_s, g_row_s, g_col_s, b_row_s, bar, *, group, scale, parts, substitute):
+    """One chunk per CTA (`chunks_per_cta=1`). `substitute`: T_16 by `tiles.block_diagonal_inverse` in the aliased
+    pad tile ("blocked" off the interpreter)."""
+    (land_q, land_k, land_v), (q_s, score_stages), pad, (inv_bufs, wy_stages) = aliased  # pad: [] or [tile]
     c, h = lax.axis_index("c"), lax.axis_index("h")
     hk = lax.div(h, group)
     start, length = start_ref[c], len_ref[c]
@@ -298,7 +317,7 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_re
 
     A = _strict_A(S, b_row, decay)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the score stages share their bytes with the inverse's
-    T = _inverse(A, *inv_bufs)
+    T = _inverse(A, *inv_bufs, pad=pad[0] if substitute else None)
     w, u = tiles.dots((T, tuple(kb_s.at[p] for p in range(parts)), (CHUNK, head_k)),
                  (T, tuple(vb_s.at[p] for p in range(parts)), (CHUNK, head_v)))
     _stage_out(wy_stages, w, w_ref.at[h, c])
@@ -403,8 +422,8 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     beta                    # [T, HV]
     G                       # fp32 [HV, NC, C]: chunk-local inclusive cumsum of the log decay (`_cumsum_kernel`)
     `group` = HV // H, `scale` a Python number. `interpret`: True (or an `InterpretGPUParams`) runs Mosaic GPU's
-    interpreter on CPU. `tuning` (`TUNING_KEYS`, module docstring): inverse ("split" or "f16"), chunks_per_cta
-    (a positive int) and landing ("rows" or "swizzled"); each left out takes `default_tuning`'s value.
+    interpreter on CPU. `tuning` (`TUNING_KEYS`, module docstring): inverse ("split", "f16" or "blocked"),
+    chunks_per_cta (a positive int) and landing ("rows" or "swizzled"); each left out takes `default_tuning`'s value.
 
     Returns (w [HV, NC, C, K], u [HV, NC, C, V], kd [HV, NC, C, K], qg [HV, NC, C, K], aqk [HV, NC, C, C]), all in
     the I/O dtype (promote(k, v); fp32 if that is 32 bits or wider), padding rows zero.
@@ -422,6 +441,7 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     parts = 2 if io_dtype == _F32 else 1
     # the inverse's operands: (hi, lo) terms of op_dtype, or one fp16 term
     inv_dtype, inv_parts = (op_dtype, 2) if tuning["inverse"] == "split" else (jnp.float16, 1)
+    blocked = tuning["inverse"] == "blocked"
 
     beta_c = tiles.chunk_major_beta(chunk_start, chunk_len, beta, chunk=chunk)  # fp32 [HV, NC, C]
 
@@ -441,9 +461,15 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
         # the split inverse leaves T's (hi, lo) in its own operand buffer; the fp16 one rounds T to op_dtype apart
         inv_bufs = (inv_buf(), inv_buf()) + (() if inv_parts == 2 else (tiles.swizzled((1, chunk, chunk), op_dtype),))
         # disjoint lifetimes: the landing tiles until they are read; then q's operand and the score outputs'
-        # staging; then the inverse's operands and the W, U staging
-        aliased = plgpu.RefUnion(landing, [operand(head_k), stages(chunk, head_k)], [inv_bufs, stages(head_k, head_v)])
-        body = functools.partial(_intra_kernel, group=group, scale=float(scale), parts=parts)
+        # staging; then ("blocked") the substitution's pad tile until T_16 is in registers; then the inverse's
+        # operands and the W, U staging
+        pad = [tiles.substitution_pad()] if blocked else []
+        aliased = plgpu.RefUnion(landing, [operand(head_k), stages(chunk, head_k)], pad,
+                                 [inv_bufs, stages(head_k, head_v)])
+        # the interpreter cannot run the substitution (Mosaic GPU code): it doubles from s = 2, the same T up to
+        # rounding, and checks the rest of the kernel
+        body = functools.partial(_intra_kernel, group=group, scale=float(scale), parts=parts,
+                                 substitute=blocked and not interpret)
         scratch = [aliased, operand(head_k), operand(head_k), operand(head_v)]
     else:
         # the landing tiles and vb_s live through a whole chunk; k_s and q_s until the scores, then kb_s (written

@@ -43,9 +43,14 @@ the SM to fill the gaps. This version:
   11 significant bits, TF32's class, and the outputs do not see it (their error is the 16-bit rounding of the
   right-hand sides and of the outputs). `inverse="split"` keeps the (hi, lo) products (~2^-16 relative), the only
   choice for fp32 inputs.
-Not done: register-A wgmmas for Y (saves one slab store per product; the interpreter takes only SMEM operands),
-fewer serial steps in the inverse, and a persistent CTA that prefetches the next chunk (for GDN, several chunks per
-CTA measured slower than two CTAs per SM).
+- A blocked inverse (`inverse="blocked"`, 16-bit inputs; not yet measured on the GPU, so not the default):
+  `pallas_mosaic_gpu_intra`'s "blocked" (its docstring: why, accuracy, the interpreter's fallback to the doubling
+  from s = 2): the four 16 x 16 diagonal blocks of T solved exactly in fp32 by forward substitution
+  (`tiles.block_diagonal_inverse`), then the fp16 levels s = 16, 32 only: 4 dependent products on the chain
+  instead of 10. Its 18 KB pad tile takes the bytes of beta V's and the inverse's tiles (a third group of the
+  union, after a spacer over the solve tiles live through the inverse): no extra SMEM.
+Not done: register-A wgmmas for Y (saves one slab store per product; the interpreter takes only SMEM operands), and a
+persistent CTA that prefetches the next chunk (for GDN, several chunks per CTA measured slower than two CTAs per SM).
 
 Per chunk c and value head h:
 
@@ -92,8 +97,8 @@ output rounding). fp32 inputs: every operand is split (score_parts 2, split inve
 kernel's IEEE fp32 dots: ~1e-7).
 
 SMEM per CTA as the lowering counts it (`plgpu.RefUnion`: the score phase's G copies and operand slabs alias the
-solve phase's tiles), K = V = 128: bf16 109 KB, two CTAs per SM (inverse="split": 123 KB, score_parts 2: 117 KB,
-one); fp32 211 KB. K = V = 64, bf16: 67 KB, three.
+solve phase's tiles), K = V = 128: bf16 109 KB, two CTAs per SM (inverse="blocked" the same; inverse="split":
+123 KB, score_parts 2: 117 KB, one); fp32 211 KB. K = V = 64, bf16: 67 KB, three.
 """
 
 from __future__ import annotations
@@ -114,7 +119,7 @@ CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
 SLAB = 32  # columns per landing piece and per elementwise slab: [C, 32] fp32 is 16 registers per thread
 TUNING_KEYS = ("score_parts", "score_dtype", "inverse", "reference")
 SCORE_DTYPES = ("input", "float16")
-INVERSES = ("f16", "split")
+INVERSES = ("f16", "split", "blocked")
 REFERENCES = ("shifted", "select")  # how levels s <= SHIFTED build R_s (`_reference`)
 LEVELS = (32, 16, 8, 4, 2, 1)  # half-block sizes s of the score split (module docstring, step 2)
 SHIFTED = 2  # with reference="shifted", levels s <= SHIFTED read R_s as row-shifted views of G
@@ -144,7 +149,8 @@ def _landing(width, dtype):
 
 
 def _smem_groups(head_k, head_v, io_dtype, score_parts, inverse, score_dtype="input"):
-    """(persistent refs, score-phase group, solve-phase group): the SMEM scratch of one CTA."""
+    """(persistent refs, the aliased groups: score phase, solve phase and, for "blocked", the pad tile's): the SMEM
+    scratch of one CTA."""
     fp32 = io_dtype == _F32
     op_dtype, parts = (_BF16, 2) if fp32 else (io_dtype, 1)
     score_op = jnp.float16 if score_dtype == "float16" else op_dtype
@@ -156,7 +162,13 @@ def _smem_groups(head_k, head_v, io_dtype, score_parts, inverse, score_dtype="in
     solve = [tiles.swizzled((CHUNK, CHUNK), io_dtype), _landing(head_v, io_dtype),  # AQK staging (then T), v
              tiles.swizzled((parts, CHUNK, head_k), op_dtype), tiles.swizzled((parts, CHUNK, head_v), op_dtype),
              tiles.swizzled((inv_parts, CHUNK, CHUNK), inv_dtype), tiles.swizzled((inv_parts, CHUNK, CHUNK), inv_dtype)]
-    return persistent, scores, solve
+    groups = [scores, solve]
+    if inverse == "blocked":
+        # the substitution's pad tile where beta V's and the inverse's tiles sit (dead until T_16 is in registers),
+        # after a spacer over the solve tiles live through the inverse (AQK's staging, v's landing, beta exp(G) K):
+        # `plgpu.RefUnion` lays each group out from byte 0 in SMEM_ALIGN steps (jax 0.11.2; `_nbytes` counts the same)
+        groups.append([plgpu.SMEM((_nbytes(solve[:3]),), jnp.int8), tiles.substitution_pad()])
+    return persistent, groups
 
 
 def _nbytes(refs):
@@ -168,8 +180,8 @@ def _nbytes(refs):
 
 
 def _smem_bytes(head_k, head_v, io_dtype, score_parts, inverse):
-    persistent, scores, solve = _smem_groups(head_k, head_v, io_dtype, score_parts, inverse)
-    return _nbytes(persistent + [plgpu.RefUnion(scores, solve)]) + SMEM_ALIGN  # + the barriers
+    persistent, groups = _smem_groups(head_k, head_v, io_dtype, score_parts, inverse)
+    return _nbytes(persistent + [plgpu.RefUnion(*groups)]) + SMEM_ALIGN  # + the barriers
 
 
 def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str | None:
@@ -299,14 +311,20 @@ def _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s, *, shifted):
     return sums
 
 
-def _inverse(A, t_buf, p_buf):
+def _inverse(A, t_buf, p_buf, *, pad=None):
     """(I + A)^-1 (fp32) of a strictly lower-triangular fp32 [C, C] tile by recursive doubling (module docstring,
-    step 4); each product on t_buf's and p_buf's terms (one fp16 term, or bf16 (hi, lo))."""
+    step 4); each product on t_buf's and p_buf's terms (one fp16 term, or bf16 (hi, lo)). pad (the "blocked"
+    inverse off the interpreter, `tiles.substitution_pad`): T_16 from `tiles.block_diagonal_inverse`, then only the
+    levels s = 16, 32."""
     sq = (CHUNK, CHUNK)
     parts = t_buf.shape[0]
-    T = jnp.where(tiles.iota(sq, 0) == tiles.iota(sq, 1), 1.0, 0.0) - jnp.where(tiles.half_pairs(1), A, 0.0)
+    if pad is None:
+        T = jnp.where(tiles.iota(sq, 0) == tiles.iota(sq, 1), 1.0, 0.0) - jnp.where(tiles.half_pairs(1), A, 0.0)
+        levels = (2, 4, 8, 16, 32)
+    else:
+        T, levels = tiles.block_diagonal_inverse(A, pad), (16, 32)
     t_terms, p_terms = _terms(t_buf, parts), _terms(p_buf, parts)
-    for s in (2, 4, 8, 16, 32):
+    for s in levels:
         tiles.store_parts(t_buf, T, parts)
         tiles.store_parts(p_buf, jnp.where(tiles.half_pairs(s), A, 0.0), parts)
         plgpu.commit_smem()
@@ -337,8 +355,10 @@ def _copy_in(src, land, bar):
 
 def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref,
                       aqk_ref, b_s, land_q, land_k, phases, bar, v_bar, *, group, scale, parts, t_single,
-                      shifted):
-    (g_pieces, g_rows, x_s, y_s), (aqk_s, land_v, kb_s, vb_s, t_buf, p_buf) = phases
+                      shifted, substitute):
+    """`substitute`: T_16 by the substitution in the pad tile ("blocked" off the interpreter)."""
+    (g_pieces, g_rows, x_s, y_s), (aqk_s, land_v, kb_s, vb_s, t_buf, p_buf), *pad_group = phases
+    pad = pad_group[0][1] if substitute else None
     c, h = lax.axis_index("c"), lax.axis_index("h")
     hk = lax.div(h, group)
     start, length = start_ref[c], len_ref[c]
@@ -388,7 +408,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(aqk_s, aqk_ref.at[h, c])
 
-    T = _inverse(jnp.where(rows_sq > cols_sq, tiles.by_row(b_row, sq) * kk, 0.0), t_buf, p_buf)
+    T = _inverse(jnp.where(rows_sq > cols_sq, tiles.by_row(b_row, sq) * kk, 0.0), t_buf, p_buf, pad=pad)
     if t_single:  # T rounded once to the input dtype, in AQK's staging tile once its store has read it
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         aqk_s[...] = T.astype(aqk_s.dtype)
@@ -425,8 +445,8 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     interpreter on CPU. Tuning (`TUNING_KEYS`, module docstring; each left out takes `default_tuning`'s value):
     `score_parts` (1 or 2: the score operands rounded once or split; 2 for fp32 inputs), `score_dtype` ("float16",
     the default for 16-bit inputs, or "input": the 16-bit type of the score operands; "input" for fp32), `inverse`
-    ("f16" or "split"; "split" for fp32 inputs) and `reference` ("shifted" or "select": how the finest score levels
-    build their reference rows).
+    ("f16", "split" or "blocked"; "split" for fp32 inputs) and `reference` ("shifted" or "select": how the finest
+    score levels build their reference rows).
 
     Returns (w [HV, NC, C, K], u [HV, NC, C, V], kd [HV, NC, C, K], qg [HV, NC, C, K], aqk [HV, NC, C, C]), all in
     the I/O dtype (promote(k, v); fp32 if that is 32 bits or wider), padding rows zero.
@@ -443,16 +463,17 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
 
     beta_c = tiles.chunk_major_beta(chunk_start, chunk_len, beta, chunk=chunk)  # fp32 [HV, NC, C]
 
-    persistent, scores, solve = _smem_groups(head_k, head_v, io_dtype, tuning["score_parts"], tuning["inverse"],
-                                             tuning["score_dtype"])
+    persistent, groups = _smem_groups(head_k, head_v, io_dtype, tuning["score_parts"], tuning["inverse"],
+                                      tuning["score_dtype"])
     chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), io_dtype)
     kernel = plgpu.kernel(
         functools.partial(_kda_intra_kernel, group=group, scale=float(scale), parts=2 if fp32 else 1,
-                          t_single=tuning["inverse"] == "f16",
+                          t_single=tuning["inverse"] != "split",
+                          substitute=tuning["inverse"] == "blocked" and not interpret,
                           shifted=SHIFTED if tuning["reference"] == "shifted" else 0),
         out_type=(chunk_array(head_k), chunk_array(head_v), chunk_array(head_k), chunk_array(head_k),
                   chunk_array(chunk)),
-        scratch_types=[*persistent, plgpu.RefUnion(scores, solve),
+        scratch_types=[*persistent, plgpu.RefUnion(*groups),
                        plgpu.Barrier(num_arrivals=2 * head_k // SLAB + head_k // SLAB + 2),
                        plgpu.Barrier(num_arrivals=head_v // SLAB)],
         grid=(num_chunks, num_v_heads), grid_names=("c", "h"), interpret=tiles.interpret_params(interpret),

@@ -2,14 +2,21 @@
 `pallas_mosaic_gpu_kda_intra` for KDA, the state passes `pallas_mosaic_gpu_delta`, `pallas_mosaic_gpu_state`,
 `pallas_mosaic_gpu_gdn_fused`, and SSD's `jaxckpt.ops.ssd.pallas_mosaic_gpu`): SMEM tile layouts, WGMMA-layout index
 helpers, hi + lo operand splits, the wgmma product sums, the TMA ring's producer loop and the stores of an output into
-the packed token layout (`token_staging`, `store_rows`, `store_zeros`). Written against jax 0.11.2."""
+the packed token layout (`token_staging`, `store_rows`, `store_zeros`), and the fp32 inverses of a tile's 16 x 16
+diagonal blocks by forward substitution (`block_diagonal_inverse`, for the intra passes' "blocked" inverse). Written
+against jax 0.11.2."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, memref
+from jaxlib.mlir.dialects import math as mlir_math
 
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
 HEAD_DIMS = (64, 128)
@@ -228,6 +235,70 @@ def half_pairs(s):
     rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
     same = lax.div(rows, 2 * s) == lax.div(cols, 2 * s)
     return same & (lax.rem(rows, 2 * s) >= s) & (lax.rem(cols, 2 * s) < s)
+
+
+BLOCK = 16  # the diagonal blocks `block_diagonal_inverse` solves by substitution
+# fp32 row pitch of the substitution's SMEM tile: 72 words put the 8 rows of a WGMMA-layout access 8 banks apart
+# (64 words would put them on the same banks: 8-way conflicts)
+PAD_ROW = CHUNK + 8
+
+
+def substitution_pad():
+    """The plain fp32 SMEM tile [C, C + 8] `block_diagonal_inverse` works in (18 KB)."""
+    return plgpu.SMEM((CHUNK, PAD_ROW), F32)
+
+
+def substitute_column(x, neg_a, fma):
+    """Forward substitution for one column of (I + A_b)^-1, A_b a strictly lower [B, B] block: x (B values) enters
+    as the column e_j and leaves as T_b e_j, updated in place by x_i = fma(-A_b[i, m], x_m, x_i) for m = 0, ..., B - 2
+    and i > m (x_m is final once step m starts). neg_a(i, m) gives -A_b[i, m]. Written once for the kernel (MLIR
+    values, `fma` = math.fma) and the tests (numpy float32)."""
+    for m in range(len(x) - 1):
+        for i in range(m + 1, len(x)):
+            x[i] = fma(neg_a(i, m), x[m], x[i])
+    return x
+
+
+@plgpu.inline_mgpu(arg_types=(WG, plgpu.RefType()),
+                   return_type=plgpu.ShapeDtypeStruct((CHUNK, CHUNK), F32, layout=WG))
+def _substitute(ctx, neg_A, pad):
+    """-A (WGMMA layout) -> the tile whose 16 x 16 diagonal blocks hold (I + A_b)^-1 (other entries: -A's)."""
+    del ctx
+    f32, index, i32 = ir.F32Type.get(), ir.IndexType.get(), ir.IntegerType.get_signless(32)
+    tile = mgpu_utils.memref_slice(pad, (slice(None), slice(0, CHUNK)))  # rows PAD_ROW apart
+    neg_A.store_untiled(tile)
+    mgpu_utils.warpgroup_barrier()
+    # thread t solves column t % 16 of diagonal block (t % 64) // 16 in registers; the two blocks of a warp read one
+    # address each per load (a broadcast, on distinct banks). Threads 64..127 repeat 0..63 (the barriers below take
+    # the whole warpgroup) and store nothing
+    tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(mgpu_utils.WARPGROUP_SIZE, i32))
+    j = arith.remui(tid, mgpu_utils.c(BLOCK, i32))
+    base = arith.index_cast(index, arith.subi(arith.remui(tid, mgpu_utils.c(CHUNK, i32)), j))
+    at = lambda i: arith.addi(base, mgpu_utils.c(i, index))
+    one, zero = mgpu_utils.c(1.0, f32), mgpu_utils.c(0.0, f32)
+    x = [arith.select(arith.cmpi(arith.CmpIPredicate.eq, j, mgpu_utils.c(i, i32)), one, zero) for i in range(BLOCK)]
+    x = substitute_column(x, lambda i, m: memref.load(tile, [at(i), at(m)]), mlir_math.fma)
+    mgpu_utils.warpgroup_barrier()  # every thread has read its A entries before the blocks' T overwrites them
+    # a warp's store covers one row's 32 columns: no conflicts
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, tid, mgpu_utils.c(CHUNK, i32))):
+        col = arith.addi(base, arith.index_cast(index, j))
+        for i in range(BLOCK):
+            memref.store(x[i], tile, [at(i), col])
+    mgpu_utils.warpgroup_barrier()
+    T = mgpu.FragmentedArray.load_untiled(tile, layout=neg_A.layout)
+    # the caller's next SMEM writes may land on these bytes (a RefUnion): every thread has its T first
+    mgpu_utils.warpgroup_barrier()
+    return T
+
+
+def block_diagonal_inverse(A, pad):
+    """The block-diagonal T_16 whose 16 x 16 diagonal blocks are (I + A_b)^-1 of a strictly lower fp32 [C, C] tile A
+    (WGMMA layout), exact in fp32: forward substitution, one column per thread (`substitute_column`), in the plain
+    fp32 SMEM tile pad (`substitution_pad`; its bytes are free again on return). Mosaic GPU code (`inline_mgpu`),
+    which Mosaic GPU's interpreter cannot run (jax 0.11.2)."""
+    T = _substitute(-A, pad)
+    rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)
+    return jnp.where(lax.div(rows, BLOCK) == lax.div(cols, BLOCK), T, 0.0)
 
 
 def fill_ring(first, count, stages, in_free, issue):
