@@ -149,6 +149,10 @@ def test_supports_reasons():
     assert "chunks_per_cta" in mgi.supports(q, q, v.astype(jnp.float32), beta, G, interpret=True, chunks_per_cta=2)
     assert "landing" in mgi.supports(q, q, v, beta, G, interpret=True, landing="tiled")
     assert mgi.supports(q, q, v, beta, G, interpret=True, inverse="split", chunks_per_cta=4, landing="rows") is None
+    # the defaults: "blocked" for 16-bit I/O, except with several chunks per CTA, which it does not take
+    assert mgi.default_tuning(jnp.dtype(jnp.bfloat16))["inverse"] == "blocked"
+    assert mgi.default_tuning(jnp.dtype(jnp.bfloat16), chunks_per_cta=2)["inverse"] == "f16"
+    assert mgi.default_tuning(jnp.dtype(jnp.float32))["inverse"] == "split"
     # the chunk axis lands on CUDA's grid y (at most 65535 CTAs); only G's shape is read
     wide_G = jax.ShapeDtypeStruct((4, 65536, CHUNK), jnp.float32)
     assert "65536 CTAs" in mgi.supports(q, q, v, beta, wide_G, interpret=True)

@@ -36,14 +36,16 @@ the SM to fill the gaps. This version:
   KD, QG and W leave through the landing pieces of k and q, U through v's, and the solve phase's tiles alias the
   score phase's two G copies. One CTA's serial chain (scores, inverse, W and U) now overlaps the other's, as in the
   GDN kernel (0.103 ms at the same shape with two CTAs per SM).
-- An fp16 inverse (`inverse="f16"`, the default for 16-bit inputs): one wgmma and one stored term per doubling
+- An fp16 inverse (`inverse="f16"`; the "blocked" default keeps its merges): one wgmma and one stored term per doubling
   product instead of the split's three and two, a third of the inverse's tensor work and half its SMEM stores, all
   on the critical path. The argument and the numpy emulation are `pallas_mosaic_gpu_intra`'s (same doubling, same
   bounds: l2-normalized keys and beta <= 1 keep every entry of A at most 1, and decays only shrink it): fp16 keeps
   11 significant bits, TF32's class, and the outputs do not see it (their error is the 16-bit rounding of the
   right-hand sides and of the outputs). `inverse="split"` keeps the (hi, lo) products (~2^-16 relative), the only
   choice for fp32 inputs.
-- A blocked inverse (`inverse="blocked"`, 16-bit inputs; not yet measured on the GPU, so not the default):
+- A blocked inverse (`inverse="blocked"`, 16-bit inputs; the default there since the H200 measured it: kernel 0.342 ->
+  0.329 ms at T 8192, 1.283 -> 1.235 ms at 32768, H 16, outputs equal to "f16"'s against the Triton kernel to three
+  digits, `bench/results/mosaic_gpu_kda_intra_h200_blocked.log`; the score levels, not the inverse, dominate):
   `pallas_mosaic_gpu_intra`'s "blocked" (its docstring: why, accuracy, the interpreter's fallback to the doubling
   from s = 2): the four 16 x 16 diagonal blocks of T solved exactly in fp32 by forward substitution
   (`tiles.block_diagonal_inverse`), then the fp16 levels s = 16, 32 only: 4 dependent products on the chain
@@ -134,11 +136,11 @@ _COLS = _WG.reduce(0)  # one value per column
 
 
 def default_tuning(io_dtype):
-    """The options `kda_intra` takes when not given: fp16 score operands and the fp16 inverse for 16-bit inputs;
-    fp32 inputs split everything."""
+    """The options `kda_intra` takes when not given: fp16 score operands and the "blocked" inverse (fp16 merges) for
+    16-bit inputs; fp32 inputs split everything."""
     fp32 = jnp.dtype(io_dtype) == _F32
     return dict(score_parts=2 if fp32 else 1, score_dtype="input" if fp32 else "float16",
-                inverse="split" if fp32 else "f16", reference="select")
+                inverse="split" if fp32 else "blocked", reference="select")
 
 
 def _landing(width, dtype):
