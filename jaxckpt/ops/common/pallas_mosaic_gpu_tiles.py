@@ -301,25 +301,30 @@ def block_diagonal_inverse(A, pad):
     return jnp.where(lax.div(rows, BLOCK) == lax.div(cols, BLOCK), T, 0.0)
 
 
-def fill_ring(first, count, stages, in_free, issue):
+def fill_ring(first, count, stages, in_free, issue, *, on_free=None):
     """The memory warpgroup's loop of a warp-specialized lane kernel: for the lane's chunks c = first + i, wait until
     slot i % stages is free again (`in_free`: its consumers are done with chunk i - stages), then `issue(c, slot)`
     its TMA copies; at the end observe the last frees too (every completed barrier phase must have a waiter: the
-    interpreter checks it when the barrier goes away)."""
-    def refill(i, carry):
-        slot = lax.rem(i, stages)
+    interpreter checks it when the barrier goes away). `on_free(i)`, when given, runs right after each wait for the
+    lane's chunk i (in the refill and the final waits alike), for copies outside the ring that reuse what chunk i's
+    consumers released (SSD's z tiles)."""
+    def freed(i):
+        plgpu.barrier_wait(in_free.at[lax.rem(i, stages)])
+        if on_free is not None:
+            on_free(i)
 
+    def refill(i, carry):
         @pl.when(i >= stages)
         def _():
-            plgpu.barrier_wait(in_free.at[slot])
+            freed(i - stages)
 
-        issue(first + i, slot)
+        issue(first + i, lax.rem(i, stages))
         return carry
 
     lax.fori_loop(0, count, refill, 0)
 
     def drain(i, carry):
-        plgpu.barrier_wait(in_free.at[lax.rem(i, stages)])
+        freed(i)
         return carry
 
     lax.fori_loop(jnp.maximum(count - stages, 0), count, drain, 0)

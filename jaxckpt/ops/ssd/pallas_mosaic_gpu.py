@@ -206,8 +206,7 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        def issue(i):
-            c, slot = first + i, lax.rem(i, stages)
+        def issue(c, slot):
             bar, rows = in_bar.at[slot], pl.ds(start_ref[c], CHUNK)
             plgpu.copy_gmem_to_smem(x_ref.at[rows, h, cols], target["x"].at[slot], bar)
             for k in range(pieces):
@@ -217,40 +216,25 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                     plgpu.copy_gmem_to_smem(c_ref.at[rows, g, piece], target["c"].at[slot, k], bar)
             plgpu.copy_gmem_to_smem(acs_ref.at[h, c], acs_s.at[slot], bar)
             plgpu.copy_gmem_to_smem(delta_ref.at[h, c], delta_s.at[slot], bar)
+            if has_z:
+                # the first two chunks' z have empty tiles to land in; later ones wait for a freed tile (`z_after`)
+                @pl.when(c - first < _Z_SLOTS)
+                def _():
+                    issue_z(c - first)
 
         def issue_z(i):
             half = lax.rem(i, _Z_SLOTS)
             plgpu.copy_gmem_to_smem(z_ref.at[pl.ds(start_ref[first + i], CHUNK), h, cols], z_target.at[half],
                                     s["z_bar"].at[half])
 
-        def freed(i):
-            """Waits until both consumers are done with the lane's chunk i (its ring slot may take chunk i +
-            stages), then starts chunk i + 2's z into z's tile i % 2: the output warpgroup read chunk i's z before
-            it released chunk i. (`tiles.fill_ring`, the other lane kernels' loop, has no hook for this.)"""
-            plgpu.barrier_wait(in_free.at[lax.rem(i, stages)])
-            if has_z:
-                @pl.when(i + _Z_SLOTS < count)
-                def _():
-                    issue_z(i + _Z_SLOTS)
-
-        def refill(i, carry):
-            @pl.when(i >= stages)
+        def z_after(i):
+            """Once both consumers are done with the lane's chunk i, starts chunk i + 2's z into z's tile i % 2:
+            the output warpgroup read chunk i's z before it released chunk i."""
+            @pl.when(i + _Z_SLOTS < count)
             def _():
-                freed(i - stages)
+                issue_z(i + _Z_SLOTS)
 
-            issue(i)
-            if has_z:
-                @pl.when(i < _Z_SLOTS)
-                def _():
-                    issue_z(i)
-            return carry
-
-        def drain(i, carry):
-            freed(i)  # every completed barrier phase needs a waiter (the interpreter checks it)
-            return carry
-
-        lax.fori_loop(0, count, refill, 0)
-        lax.fori_loop(jnp.maximum(count - stages, 0), count, drain, 0)
+        tiles.fill_ring(first, count, stages, in_free, issue, on_free=z_after if has_z else None)
 
     @pl.when(wg == _STATE)
     def _state():
