@@ -6,9 +6,11 @@ again affine, (M2, E2) o (M1, E1) = (M2 M1, M2 E1 + E2), and associative, so `ja
 state after every chunk in O(log NC) dependent steps instead of the NC steps of a `lax.scan`, at the price of the
 map products (about NC of them in the up-sweep; the down-sweep's map products are unused and XLA removes them).
 
-A row start needs no flag: the chunk that starts a row ignores the state before it, so its linear part is 0 and its
-offset already holds the contribution of the row's initial state; the zero map stops everything earlier from flowing
-in. Chunks past the used ones are identity maps (zero inputs), and nothing reads their states.
+A row start cuts the chain: its chunk ignores the state before it, so the composition selects (`where`, never a
+product) the later map whenever the later element starts a row, and nothing computed for an earlier row reaches it.
+Multiplying by a zero map would not do: 0 x NaN = NaN, so one row's non-finite state would poison every later row.
+With the flag the operator is the segmented scan's, still associative. Chunks past the used ones are identity maps
+(zero inputs), and nothing reads their states.
 
 `matmul_policy` is the matmul precision rule the chunked XLA ops share (fp32 class vs bf16 class by input dtype).
 """
@@ -21,19 +23,22 @@ import jax
 import jax.numpy as jnp
 
 
-def affine_scan(maps, offsets, *, apply: Callable):
-    """States after each element of S_i = M_i S_{i-1} + E_i along axis 0, from S_{-1} = 0.
+def affine_scan(maps, offsets, resets, *, apply: Callable):
+    """States after each element of S_i = M_i S_{i-1} + E_i along axis 0, from S_{-1} = 0, cut where a row starts.
 
-    maps                # [NC, ...] the linear parts M_i, 0 where a row starts
-    offsets             # [NC, ...] the offsets E_i
+    maps                # [NC, ...] the linear parts M_i (ignored where `resets` is set)
+    offsets             # [NC, ...] the offsets E_i (a resetting element's offset already holds its initial state)
+    resets              # bool[NC] True where an element starts a row: S_i = E_i, whatever S_{i-1} holds
     `apply(m, x)` is m x for a map m and either a state / offset x or another map (composition); it fixes the
     matmul precision. Returns the states [NC, ...] like offsets.
     """
     def combine(earlier, later):
-        (m1, e1), (m2, e2) = earlier, later
-        return apply(m2, m1), apply(m2, e1) + e2
+        (m1, e1, r1), (m2, e2, r2) = earlier, later
+        cut_m = r2.reshape(r2.shape + (1,) * (m2.ndim - r2.ndim))
+        cut_e = r2.reshape(r2.shape + (1,) * (e2.ndim - r2.ndim))
+        return (jnp.where(cut_m, m2, apply(m2, m1)), jnp.where(cut_e, e2, apply(m2, e1) + e2), r1 | r2)
 
-    _, states = jax.lax.associative_scan(combine, (maps, offsets))
+    _, states, _ = jax.lax.associative_scan(combine, (maps, offsets, resets))
     return states
 
 

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
+from jaxckpt.ops.common.log_decay import pair_log_decays, suffix_log_decays
 from jaxckpt.ops.common.xla_arrays import check_float, packed_metadata
 from jaxckpt.plan.checks import delta_dims
 from jaxckpt.plan.conventions import check_positive, check_state_layout
@@ -101,40 +102,42 @@ def _l2norm(x):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
-def _pair_decays(G):
-    """exp(G_i - G_j) on and below the diagonal, 0 above: masked before exp, where it could overflow."""
-    size = G.shape[-2]
-    lower = (jnp.arange(size)[:, None] >= jnp.arange(size)[None, :])[:, :, None]
-    return jnp.exp(jnp.where(lower, G[..., :, None, :] - G[..., None, :, :], -jnp.inf))  # [..., C, C, Kg]
-
-
-def _scalar_scores(a, b, G, dot):
+def _scalar_scores(a, b, g, dot):
     """(a_p b^T)_ij exp(G_i - G_j) for j <= i, one decay for all channels.
 
-    a [P, ..., C, K] stacks P left operands sharing b [..., C, K] and G [..., C, 1]; returns [P, ..., C, C].
+    a [P, ..., C, K] stacks P left operands sharing b [..., C, K] and the log decays g [..., C, 1]; returns
+    [P, ..., C, C].
     """
-    return dot("p...ik,...jk->p...ij", a, b) * _pair_decays(G)[..., 0]
+    return dot("p...ik,...jk->p...ij", a, b) * jnp.exp(pair_log_decays(g))[..., 0]
 
 
-def _channel_scores(a, b, G, dot):
-    """sum_c a_pic b_jc exp(G_ic - G_jc) for j <= i, per-channel decays (shapes as `_scalar_scores`, G [..., C, K]).
+def _channel_scores(a, b, g, dot):
+    """sum_c a_pic b_jc exp(G_ic - G_jc) for j <= i, per-channel decays (shapes as `_scalar_scores`, g [..., C, K]).
 
     Rows are split into blocks of SUB_BLOCK with reference row r = the block's first row: for j in earlier blocks,
     exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both factors <= 1, so the block row is one matmul of
     a exp(G - G_r) against b exp(G_r - G) (masked to j < r before exp). The diagonal blocks use exact pairwise decays.
+    Every log-decay difference is summed over its own token range (`log_decay`), never subtracted.
     """
     *lead, size, head_k = b.shape
     block = SUB_BLOCK if size % SUB_BLOCK == 0 else size
     nb = size // block
-    G_ref = G[..., ::block, :]  # [..., nb, K]
-    a_dec = a * jnp.exp(G - jnp.repeat(G_ref, block, axis=-2))  # [P, ..., C, K]
-    earlier = jnp.arange(size)[None, :] < (jnp.arange(nb) * block)[:, None]  # [nb, C]
-    b_dec = b[..., None, :, :] * jnp.exp(
-        jnp.where(earlier[:, :, None], G_ref[..., :, None, :] - G[..., None, :, :], -jnp.inf))  # [..., nb, C, K]
-    a_blk, a_dec_blk = (x.reshape(x.shape[0], *lead, nb, block, head_k) for x in (a, a_dec))
-    b_blk, G_blk = (x.reshape(*lead, nb, block, head_k) for x in (b, G))
+    pos = jnp.arange(size)
+    # G_i - G_r: the block-local cumsum with each block's reference row left out
+    g_blocks = jnp.where((pos % block == 0)[:, None], 0, g).reshape(*lead, nb, block, head_k)
+    from_ref = jnp.cumsum(g_blocks, axis=-2).reshape(*lead, size, head_k)  # [..., C, K]
+    a_dec = a * jnp.exp(from_ref)  # [P, ..., C, K]
+    # G_r - G_j for j < r: the sum over (j, r], one suffix sum per reference row
+    refs = jnp.arange(nb) * block
+    up_to_ref = pos[None, :] <= refs[:, None]  # [nb, C]
+    to_ref = suffix_log_decays(jnp.where(up_to_ref[:, :, None], g[..., None, :, :], 0))  # [..., nb, C, K]
+    earlier = (pos[None, :] < refs[:, None])[:, :, None]  # [nb, C, 1]
+    b_dec = b[..., None, :, :] * jnp.exp(jnp.where(earlier, to_ref, -jnp.inf))  # [..., nb, C, K]
+    a_blk = a.reshape(a.shape[0], *lead, nb, block, head_k)
+    a_dec_blk = a_dec.reshape(a.shape[0], *lead, nb, block, head_k)
+    b_blk, g_blk = (x.reshape(*lead, nb, block, head_k) for x in (b, g))
     off = dot("p...nik,...njk->p...nij", a_dec_blk, b_dec)  # [P, ..., nb, blk, C]
-    b_pair = b_blk[..., None, :, :] * _pair_decays(G_blk)  # [..., nb, blk, blk, K]
+    b_pair = b_blk[..., None, :, :] * jnp.exp(pair_log_decays(g_blk))  # [..., nb, blk, blk, K]
     diag = jnp.sum(a_blk[..., :, None, :] * b_pair, axis=-1)  # [P, ..., nb, blk, blk]
     on_diag = jnp.eye(nb, dtype=bool)[:, None, :, None]  # [nb, 1, nb, 1]
     full = jnp.where(on_diag, diag[..., :, :, None, :], off.reshape(*off.shape[:-3], nb, block, nb, block))
@@ -211,12 +214,12 @@ def chunked_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, ini
     scores = _scalar_scores if g.shape[-1] == 1 else _channel_scores
 
     # k and q share the right operand and the decays: one call gives A's scores and the output's A_qk
-    A_kk, A_qk = scores(jnp.stack([k_c, q_c]), k_c, G, dot)  # [NC, HV, C, C] each, lower incl. diagonal
+    A_kk, A_qk = scores(jnp.stack([k_c, q_c]), k_c, g_c, dot)  # [NC, HV, C, C] each, lower incl. diagonal
     A = jnp.where(pos[:, None] > pos[None, :], A_kk, 0) * beta_c  # strictly lower
     rhs = jnp.concatenate([beta_c * jnp.exp(G) * k_c, beta_c * v_c], axis=-1)  # [NC, HV, C, K + V]
     wu = solve_triangular(A, rhs, lower=True, unit_diagonal=True)
     W, U = wu[..., :head_k], wu[..., head_k:]  # [NC, HV, C, K], [NC, HV, C, V]
-    k_dec = k_c * jnp.exp(G_last - G)  # [NC, HV, C, K]
+    k_dec = k_c * jnp.exp(suffix_log_decays(g_c))  # [NC, HV, C, K] decayed to the chunk's end
     decay_last = jnp.exp(G_last).swapaxes(-1, -2)  # [NC, HV, Kg, 1]
     first = lay.chunk_first[:, None, None, None]
     init_c = init[lay.chunk_row]  # [NC, HV, K, V]
@@ -231,15 +234,16 @@ def chunked_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, ini
         S0 = jnp.zeros((num_v_heads, head_k, head_v), f32)
         _, S_after = jax.lax.scan(step, S0, (W, U, k_dec, decay_last, lay.chunk_first, lay.chunk_row))
     else:
-        # chunk c maps S to decay_last S + k_dec^T (U - W S); a row's first chunk reads its initial state instead,
-        # so its linear part is 0 and the initial state goes into its offset (no reset flag needed)
+        # chunk c maps S to decay_last S + k_dec^T (U - W S); a row's first chunk reads its initial state instead:
+        # the scan cuts there and the initial state goes into its offset
         init_first = jnp.where(first, init_c, 0)  # [NC, HV, K, V]
         eye = jnp.eye(head_k, dtype=f32)
-        maps = jnp.where(first, 0, eye * decay_last - dot("nhck,nhcj->nhkj", k_dec, W))  # [NC, HV, K, K]
+        maps = eye * decay_last - dot("nhck,nhcj->nhkj", k_dec, W)  # [NC, HV, K, K]
         offsets = decay_last * init_first + state_dot("nhck,nhcv->nhkv", k_dec,
                                                       U - dot("nhck,nhkv->nhcv", W, init_first))
         # [NC, HV, K, V] the state after each chunk
-        S_after = affine_scan(maps, offsets, apply=functools.partial(state_dot, "nhij,nhjv->nhiv"))
+        S_after = affine_scan(maps, offsets, lay.chunk_first,
+                              apply=functools.partial(state_dot, "nhij,nhjv->nhiv"))
     S_prev = jnp.concatenate([jnp.zeros_like(S_after[:1]), S_after[:-1]], axis=0)
     S_enter = jnp.where(first, init_c, S_prev)  # [NC, HV, K, V]
     v_new = U - dot("nhck,nhkv->nhcv", W, S_enter)  # [NC, HV, C, V]
@@ -258,7 +262,8 @@ def chunked_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, ini
     G_r = jnp.where((r > 0)[:, None, None], jnp.take_along_axis(
         G_m, jnp.maximum(r - 1, 0)[:, None, None, None], axis=2)[:, :, 0], 0)  # [M, HV, Kg]
     before = (pos[None, :] < r[:, None])[:, None, :, None]  # [M, 1, C, 1]
-    k_m = k_c[c] * jnp.exp(jnp.where(before, G_r[:, :, None, :] - G_m, -jnp.inf))  # [M, HV, C, K]
+    to_r = suffix_log_decays(jnp.where(before, g_c[c], 0))  # [M, HV, C, Kg] G_{r-1} - G_i, summed over (i, r - 1]
+    k_m = k_c[c] * jnp.exp(jnp.where(before, to_r, -jnp.inf))  # [M, HV, C, K]
     checkpoint_states = jnp.exp(G_r)[..., None] * S_enter[c] + state_dot("mhck,mhcv->mhkv", k_m, v_new[c])
     checkpoint_states = jnp.where(lay.checkpoint_valid[:, None, None, None], checkpoint_states, 0)
 

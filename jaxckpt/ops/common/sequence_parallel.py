@@ -296,19 +296,19 @@ def sequence_parallel_delta(base_fn: Callable, q, k, v, g, beta, *, scale=None, 
         cu_seqlens=plan.cu, checkpoint_cu=plan.kernel_cu, checkpoint_offsets=plan.kernel_offsets, state_layout="kv",
         chunk_size=chunk_size, **dict(base_options or ()))
 
-    # compose: S_p = M_p S_{p-1} + U_p, M_p = 0 at a row's first piece (its start state is inside U_p)
-    maps = jnp.where(plan.first[:, None, None, None], 0.0, final_aug[..., :head_k])  # [P, HV, K, K]
+    # compose: S_p = M_p S_{p-1} + U_p, cut at a row's first piece (its start state is inside U_p)
+    maps = final_aug[..., :head_k]  # [P, HV, K, K]
     ends = final_aug[..., head_k:head_k + head_v]  # [P, HV, K, V]
     apply = functools.partial(state_dot, "nhij,nhjv->nhiv")
     if compose == "associative":
-        S_after = affine_scan(maps, ends, apply=apply)
+        S_after = affine_scan(maps, ends, plan.first, apply=apply)
     else:
         def step(S, xs):
-            m, e = xs
-            S = apply(m[None], S[None])[0] + e
+            m, e, first = xs
+            S = jnp.where(first, e, apply(m[None], S[None])[0] + e)
             return S, S
 
-        _, S_after = jax.lax.scan(step, jnp.zeros_like(ends[0]), (maps, ends))
+        _, S_after = jax.lax.scan(step, jnp.zeros_like(ends[0]), (maps, ends, plan.first))
     S_prev = jnp.concatenate([jnp.zeros_like(S_after[:1]), S_after[:-1]])
     S_in = jnp.where(plan.first[:, None, None, None], 0.0, S_prev)  # what pass 1 left out of each piece
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
+from jaxckpt.ops.common.log_decay import pair_log_decays, suffix_log_decays
 from jaxckpt.ops.common.xla_arrays import (check_ssd_inputs, compute_dtype, packed_metadata, ssd_delta,
                                            ssd_initial_state)
 from jaxckpt.plan.conventions import check_positive, check_state_layout
@@ -31,9 +32,6 @@ from jaxckpt.plan.layout import chunk_layout
 
 CHECKPOINT_METHODS = ("in_chunk", "forced_break")
 STATE_PASSES = ("associative", "sequential")
-def _exp_masked(log_ratio, mask):
-    """exp of decay log-ratios, masked BEFORE exponentiation so the unused (j > i) ratios cannot overflow."""
-    return jnp.exp(jnp.where(mask, log_ratio, -jnp.inf))
 
 
 def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_state=None, cu_seqlens=None,
@@ -83,26 +81,30 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     chunk_tokens = jnp.clip(layout.chunk_start[:, None] + pos, 0, max(num_tokens - 1, 0))  # i32[NC, C]
     in_chunk = pos < layout.chunk_len[:, None]  # bool[NC, C]
 
-    def to_chunks(array):  # [T, ...] -> [NC, C, ...] in the compute dtype
+    def to_chunks(array):  # [T, ...] -> [NC, C, ...] in the compute dtype, zeros past the chunk's tokens
         if num_tokens == 0:
             return jnp.zeros((num_chunks, chunk_size) + array.shape[1:], cdt)
-        return array[chunk_tokens].astype(cdt)
+        chunks = array[chunk_tokens].astype(cdt)
+        # selected, not multiplied: the next row's or the padding's NaN must not reach this chunk
+        return jnp.where(in_chunk.reshape(in_chunk.shape + (1,) * (chunks.ndim - 2)), chunks, 0)
 
     # padding slots get delta = 0: no decay, no input, so they are no-ops for every state and cumsum
-    delta_c = jnp.where(in_chunk[..., None], to_chunks(delta), 0)  # [NC, C, H]
+    delta_c = to_chunks(delta)  # [NC, C, H]
     x_c = to_chunks(x)  # [NC, C, H, P]
     B_c = to_chunks(B)  # [NC, C, G, N]
     C_c = to_chunks(C)  # [NC, C, G, N]
-    acs = jnp.cumsum(jnp.swapaxes(delta_c, 1, 2) * A.astype(cdt)[:, None], axis=2)  # [NC, H, C] chunk-local
+    # delta A per token, [NC, H, C, 1]; selected on padding slots too, where delta = 0 and A = -inf would give NaN
+    dA = jnp.where(in_chunk[:, None, :, None], jnp.swapaxes(delta_c, 1, 2)[..., None] * A.astype(cdt)[:, None, None],
+                   0)
+    acs = jnp.cumsum(dA[..., 0], axis=2)  # [NC, H, C] chunk-local
     xdt = (x_c * delta_c[..., None]).reshape(num_chunks, chunk_size, num_groups, reps, head_dim)  # [NC, C, G, R, P]
 
-    causal = pos[:, None] >= pos[None, :]
-    L = _exp_masked(acs[:, :, :, None] - acs[:, :, None, :], causal)  # [NC, H, C, C]
+    L = jnp.exp(pair_log_decays(dA)[..., 0])  # [NC, H, C, C]
     CB = dot("kign,kjgn->kgij", C_c, B_c)  # [NC, G, C, C]
     scores = L.reshape(num_chunks, num_groups, reps, chunk_size, chunk_size) * CB[:, :, None]
     y_intra = dot("kgrij,kjgrp->kigrp", scores, xdt)  # [NC, C, G, R, P]
 
-    to_end = jnp.exp(acs[:, :, -1:] - acs).swapaxes(1, 2).reshape(num_chunks, chunk_size, num_groups, reps)
+    to_end = jnp.exp(suffix_log_decays(dA)[..., 0]).swapaxes(1, 2).reshape(num_chunks, chunk_size, num_groups, reps)
     local = state_dot("kjgrp,kjgn->kgrpn", to_end[..., None] * xdt, B_c)
     local = local.reshape(num_chunks, num_heads, head_dim, state_dim)  # [NC, H, P, N] chunk-local end state
     chunk_decay = jnp.exp(acs[:, :, -1])  # [NC, H]
@@ -119,9 +121,10 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
         _, after = lax.scan(step, jnp.zeros_like(initial[0]),
                             (layout.chunk_first, layout.chunk_row, chunk_decay, local))
     else:
-        # a row's first chunk reads its initial state instead of the carry: its map is 0, its offset holds the start
+        # a row's first chunk reads its initial state instead of the carry: the scan cuts there, its offset holds
+        # the start
         decay = chunk_decay[:, :, None, None]  # [NC, H, 1, 1]
-        after = affine_scan(jnp.where(first, 0, decay), local + decay * jnp.where(first, initial_c, 0),
+        after = affine_scan(decay, local + decay * jnp.where(first, initial_c, 0), layout.chunk_first,
                             apply=jnp.multiply)
     # [NC, H, P, N] the state after / entering each chunk
     states = jnp.where(first, initial_c, jnp.concatenate([jnp.zeros_like(after[:1]), after[:-1]], axis=0))
@@ -148,7 +151,9 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
         acs_k = acs[c]  # [M, H, C]
         ref = jnp.where((r > 0)[:, None], jnp.take_along_axis(acs_k, jnp.maximum(r - 1, 0)[:, None, None],
                                                                 axis=2)[..., 0], 0)  # [M, H]
-        weights = _exp_masked(ref[..., None] - acs_k, pos < r[:, None, None])  # [M, H, C]
+        before = (pos < r[:, None])[:, None, :, None]  # [M, 1, C, 1]
+        to_r = suffix_log_decays(jnp.where(before, dA[c], 0))  # [M, H, C, 1] Acs_{r-1} - Acs_i over (i, r - 1]
+        weights = jnp.exp(jnp.where(before, to_r, -jnp.inf))[..., 0]  # [M, H, C]
         weights = weights.swapaxes(1, 2).reshape(-1, chunk_size, num_groups, reps, 1)
         within = state_dot("mjgrp,mjgn->mgrpn", weights * xdt[c], B_c[c])
         checkpoint_states = jnp.exp(ref)[..., None, None] * states[c] + within.reshape(states[c].shape)
