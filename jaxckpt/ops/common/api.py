@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxckpt.ops.common.contract import check_call, check_paged
 from jaxckpt.plan.conventions import NULL_SLOT, validate_checkpoints, validate_cu_seqlens, validate_slots
 from jaxckpt.plan.layout import split_layout
 
@@ -126,15 +127,13 @@ def host_metadata(num_tokens: int, cu_seqlens, checkpoint_cu, checkpoint_offsets
 
 
 def validate_pool_slots(num_slots: int, *, initial_state_indices, final_state_indices, checkpoint_state_indices,
-                        checkpoint_cu, num_rows: int):
-    """Host checks of the paged form: slots in range, one per row / checkpoint, no slot written twice."""
+                        checkpoint_cu):
+    """Host checks of the paged form's values: slots in range, no slot written twice (`check_paged` has checked the
+    lengths)."""
     if is_traced(initial_state_indices, final_state_indices, checkpoint_state_indices, checkpoint_cu):
         return
-    initial = validate_slots(initial_state_indices, num_slots, name="initial_state_indices")
+    validate_slots(initial_state_indices, num_slots, name="initial_state_indices")
     final = validate_slots(final_state_indices, num_slots, name="final_state_indices")
-    for name, slots in (("initial_state_indices", initial), ("final_state_indices", final)):
-        if slots.size != num_rows:
-            raise ValueError(f"{name}: needs one slot per row ({num_rows}), got {slots.size}")
     written = [final]
     if checkpoint_state_indices is not None:
         ckpt = validate_slots(checkpoint_state_indices, num_slots, name="checkpoint_state_indices")
@@ -148,18 +147,25 @@ def validate_pool_slots(num_slots: int, *, initial_state_indices, final_state_in
         raise ValueError("final_state_indices/checkpoint_state_indices: a slot is written twice in one call")
 
 
+def _real_slots(idx, num_slots: int):
+    """Slots that address a real state: not the null slot and inside the pool. Under traced metadata a negative or
+    out-of-range slot must neither wrap (JAX indexing would read or write slot S - 1) nor clamp: it is masked."""
+    return (idx > NULL_SLOT) & (idx < num_slots)
+
+
 def gather_states(state_pool, initial_state_indices, has_initial_state):
-    """Initial states [N, ...] fp32 from the pool; zeros for fresh rows and the null slot (never read as real)."""
+    """Initial states [N, ...] fp32 from the pool; zeros for fresh rows, the null slot and slots outside the pool."""
     idx = jnp.asarray(initial_state_indices, jnp.int32)
-    use = jnp.asarray(has_initial_state, bool) & (idx != NULL_SLOT)
-    states = state_pool[idx].astype(jnp.float32)
+    use = jnp.asarray(has_initial_state, bool) & _real_slots(idx, state_pool.shape[0])
+    states = state_pool[jnp.where(use, idx, NULL_SLOT)].astype(jnp.float32)
     return jnp.where(use.reshape(-1, *([1] * (states.ndim - 1))), states, 0.0)
 
 
 def scatter_states(state_pool, slots, states, valid=None):
-    """Writes states into the pool (cast to its dtype); the null slot and invalid entries write nothing."""
+    """Writes states into the pool (cast to its dtype); the null slot, slots outside the pool and invalid entries
+    write nothing."""
     idx = jnp.asarray(slots, jnp.int32)
-    keep = idx != NULL_SLOT
+    keep = _real_slots(idx, state_pool.shape[0])
     if valid is not None:
         keep = keep & valid
     idx = jnp.where(keep, idx, state_pool.shape[0])
@@ -225,8 +231,9 @@ def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapp
     """
     if checkpoint_method not in CHECKPOINT_METHODS:
         raise ValueError(f"checkpoint_method: must be one of {CHECKPOINT_METHODS}, got {checkpoint_method!r}")
-    if not isinstance(num_decodes, int) or num_decodes < 0:
-        raise ValueError(f"num_decodes: must be a non-negative Python int, got {num_decodes!r}")
+    check_call(next(iter(arrays.values())).shape[0], options, initial_state=initial_state, cu_seqlens=cu_seqlens,
+               checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets, num_decodes=num_decodes,
+               state_shape=state_shape)
     # all rows, decode rows included: a bound on the prefill rows the kernel gets
     choice = choose_implementation(registry, implementation, cu_seqlens=cu_seqlens, **support_call)
     first = next(iter(arrays.values()))
@@ -289,14 +296,23 @@ def run_paged(registry: Mapping[str, str], arrays: Mapping[str, object], options
     """`run` over a paged state pool: gathers initial states, runs, writes final and checkpoint states in place.
 
     The null slot is never read as a real state nor written; padded checkpoints write nothing; a bf16 pool gets the
-    fp32 states cast on write. With `donate`, the pool's buffer is reused for the result.
+    fp32 states cast on write. Concrete slots outside the pool raise; traced ones read as fresh states and write
+    nothing (a caller's mistake can lose a state, never overwrite another's). With `donate`, the pool's buffer is
+    reused for the result.
     """
     first = next(iter(arrays.values()))
+    num_rows, num_checkpoints = check_call(
+        first.shape[0], options, initial_state=None, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
+        checkpoint_offsets=checkpoint_offsets, num_decodes=run_options["num_decodes"],
+        state_shape=run_options["state_shape"])
+    check_paged(state_pool, num_rows=num_rows, num_checkpoints=num_checkpoints,
+                state_shape=run_options["state_shape"], initial_state_indices=initial_state_indices,
+                has_initial_state=has_initial_state, final_state_indices=final_state_indices,
+                checkpoint_state_indices=checkpoint_state_indices, donate=donate)
     cu, ccu, offsets = host_metadata(first.shape[0], cu_seqlens, checkpoint_cu, checkpoint_offsets)
-    num_rows = (cu.shape[0] if hasattr(cu, "shape") else len(cu)) - 1
     validate_pool_slots(state_pool.shape[0], initial_state_indices=initial_state_indices,
                         final_state_indices=final_state_indices, checkpoint_state_indices=checkpoint_state_indices,
-                        checkpoint_cu=ccu, num_rows=num_rows)
+                        checkpoint_cu=ccu)
     initial = gather_states(state_pool, initial_state_indices, has_initial_state)
     out, final, ckpt = run(registry, arrays, options, initial_state=initial, cu_seqlens=cu, checkpoint_cu=ccu,
                            checkpoint_offsets=offsets, **run_options)
