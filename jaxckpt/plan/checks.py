@@ -1,10 +1,15 @@
 """The ops' input conventions as static checks, shared by every implementation (references, XLA, Pallas, torch_bridge's
 Triton kernels): shapes and scalar options only, so numpy, jax (also while tracing) and torch arrays pass through the
-same rules and messages. Dtype rules stay with each implementation."""
+same rules and messages. Dtype rules stay with each implementation, except that index metadata is integer."""
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
+
+import numpy as np
+
+from jaxckpt.plan.conventions import check_flag
 
 
 def check_shape(array, expected: tuple, *, name: str, spec: str) -> None:
@@ -12,14 +17,36 @@ def check_shape(array, expected: tuple, *, name: str, spec: str) -> None:
         raise ValueError(f"{name}: expected {spec} = {tuple(expected)}, got shape {tuple(array.shape)}")
 
 
+def _check_index_array(array, *, name: str, spec: str) -> None:
+    if array.ndim != 1:
+        raise ValueError(f"{name}: expected {spec}, got shape {tuple(array.shape)}")
+    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name}: must hold integers, got dtype {array.dtype}")
+
+
+def check_metadata_shapes(cu_seqlens, checkpoint_cu, checkpoint_offsets) -> None:
+    """cu_seqlens i32[N + 1] with N >= 1, checkpoint_cu i32[N + 1], checkpoint_offsets i32[M]: integer 1-D arrays."""
+    _check_index_array(cu_seqlens, name="cu_seqlens", spec="i32[N + 1]")
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: needs at least 2 entries (N + 1 for N >= 1 rows), got {cu_seqlens.shape[0]}")
+    _check_index_array(checkpoint_cu, name="checkpoint_cu", spec="i32[N + 1]")
+    if checkpoint_cu.shape[0] != cu_seqlens.shape[0]:
+        raise ValueError(f"checkpoint_cu: needs N + 1 = {cu_seqlens.shape[0]} entries like cu_seqlens, "
+                         f"got {checkpoint_cu.shape[0]}")
+    _check_index_array(checkpoint_offsets, name="checkpoint_offsets", spec="i32[M]")
+
+
 def check_dt_limit(dt_limit) -> tuple[float, float] | None:
     """None, or a pair (lo, hi) of Python numbers with lo <= hi (a static option)."""
     if dt_limit is None:
         return None
     try:
-        lo, hi = (float(v) for v in dt_limit)
-    except (TypeError, ValueError):
-        raise ValueError(f"dt_limit: expected None or a pair (lo, hi) of numbers, got {dt_limit!r}") from None
+        pair = tuple(dt_limit)
+    except TypeError:
+        pair = ()
+    if len(pair) != 2 or not all(isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) for v in pair):
+        raise ValueError(f"dt_limit: expected None or a pair (lo, hi) of numbers, got {dt_limit!r}")
+    lo, hi = (float(v) for v in pair)
     if not lo <= hi:
         raise ValueError(f"dt_limit: needs lo <= hi, got ({lo}, {hi})")
     return lo, hi
@@ -36,6 +63,7 @@ class DeltaDims(NamedTuple):
 def delta_dims(q, k, v, g, beta, *, per_channel_decay: bool) -> DeltaDims:
     """Checks the delta-rule inputs against each other: q, k [T, H, K]; v [T, HV, V]; g [T, HV] or [T, HV, K];
     beta [T, HV]; HV a positive multiple of H."""
+    per_channel_decay = check_flag(per_channel_decay, name="per_channel_decay")
     if q.ndim != 3:
         raise ValueError(f"q: expected [T, H, K], got shape {tuple(q.shape)}")
     num_tokens, num_heads, head_k = q.shape

@@ -11,7 +11,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxckpt.plan.conventions import check_positive
+from jaxckpt.plan.checks import check_metadata_shapes
+from jaxckpt.plan.conventions import (check_flag, check_non_negative, check_positive, check_rows, validate_checkpoints,
+                                      validate_cu_seqlens)
 
 
 class ChunkLayout(NamedTuple):
@@ -46,18 +48,32 @@ def searchsorted(xp, sorted_values, queries, *, side: str = "left"):
 
 def max_chunks(num_tokens: int, num_rows: int, num_checkpoints: int, chunk_size: int, *, forced_breaks: bool) -> int:
     """Static upper bound on the chunk count: sum(cdiv(len_i, C)) <= T // C + pieces."""
+    num_tokens = check_non_negative(num_tokens, name="num_tokens")
+    num_rows = check_non_negative(num_rows, name="num_rows")
+    num_checkpoints = check_non_negative(num_checkpoints, name="num_checkpoints")
+    chunk_size = check_positive(chunk_size, name="chunk_size")
+    forced_breaks = check_flag(forced_breaks, name="forced_breaks")
     pieces = num_rows + (num_checkpoints if forced_breaks else 0)
     return num_tokens // chunk_size + pieces
 
 
 def chunk_layout(cu_seqlens, checkpoint_cu, checkpoint_offsets, *, chunk_size: int, num_tokens: int,
                  forced_breaks: bool = False, xp=np) -> ChunkLayout:
-    """Chunk table for packed rows with CSR checkpoints (already validated; padded entries allowed).
+    """Chunk table for packed rows with CSR checkpoints (padded entries allowed).
 
     With `forced_breaks`, each checkpoint starts a new chunk grid (the carried state there is the checkpoint);
     otherwise the grid stays anchored at the query start and the kernel reads the state inside the chunk.
+    On the host (`xp=numpy`) the metadata values are validated; with another namespace they may be traced, so only
+    their shapes and dtypes are checked and the values are the caller's to vouch for.
     """
-    check_positive(chunk_size, name="chunk_size")
+    chunk_size = check_positive(chunk_size, name="chunk_size")
+    num_tokens = check_non_negative(num_tokens, name="num_tokens")
+    forced_breaks = check_flag(forced_breaks, name="forced_breaks")
+    if xp is np:
+        cu_seqlens = validate_cu_seqlens(cu_seqlens, num_tokens)
+        checkpoint_cu, checkpoint_offsets = validate_checkpoints(checkpoint_cu, checkpoint_offsets, cu_seqlens)
+    else:
+        check_metadata_shapes(*(xp.asarray(a) for a in (cu_seqlens, checkpoint_cu, checkpoint_offsets)))
     i32 = xp.int32
     cu = xp.asarray(cu_seqlens).astype(i32)                 # i32[N + 1]
     ccu = xp.asarray(checkpoint_cu).astype(i32)             # i32[N + 1]
@@ -138,9 +154,8 @@ class SplitLaunch(NamedTuple):
 
 def split_layout(cu_seqlens, checkpoint_cu, checkpoint_offsets) -> list[SplitLaunch]:
     """Cuts each row at its checkpoints; k checkpoints per row need k + 1 dependent launches, no tail recompute."""
-    cu = np.asarray(cu_seqlens, np.int64)
-    ccu = np.asarray(checkpoint_cu, np.int64)
-    offsets = np.asarray(checkpoint_offsets, np.int64)
+    cu = check_rows(cu_seqlens)
+    ccu, offsets = validate_checkpoints(checkpoint_cu, checkpoint_offsets, cu)
     num_rows = cu.size - 1
     counts = np.diff(ccu)
     num_launches = int(counts.max()) + 1 if num_rows else 1
@@ -165,9 +180,8 @@ def split_layout(cu_seqlens, checkpoint_cu, checkpoint_offsets) -> list[SplitLau
 
 def bucket_size(n: int, *, minimum: int = 16) -> int:
     """Pads a size to the next power of two (at least `minimum`), so a new batch seldom needs a new compile."""
-    if n < 0:
-        raise ValueError(f"n: must be non-negative, got {n}")
-    size = max(minimum, 1)
+    n = check_non_negative(n, name="n")
+    size = max(check_non_negative(minimum, name="minimum"), 1)
     while size < n:
         size *= 2
     return size

@@ -15,7 +15,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from jaxckpt.plan.conventions import check_non_negative, check_positive
+from jaxckpt.plan.conventions import (check_choice, check_flag, check_int_array, check_non_negative,
+                                      check_optional_positive, check_positive)
 
 CHECKPOINT_POLICIES = ("vllm", "every_block", "positions")
 
@@ -24,15 +25,47 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _query(query_start, query_end) -> tuple[int, int]:
+    query_start = check_non_negative(query_start, name="query_start")
+    query_end = check_non_negative(query_end, name="query_end")
+    if query_end < query_start:
+        raise ValueError(f"query_end: {query_end} is before query_start {query_start}")
+    return query_start, query_end
+
+
+def _queries(query_starts, query_ends) -> tuple[list[int], list[int]]:
+    starts = check_int_array(query_starts, name="query_starts")
+    ends = check_int_array(query_ends, name="query_ends")
+    if ends.size != starts.size:
+        raise ValueError(f"query_ends: {ends.size} rows, query_starts has {starts.size}")
+    if np.any(starts < 0):
+        n = int(np.argmax(starts < 0))
+        raise ValueError(f"query_starts: must be non-negative, got query_starts[{n}]={starts[n]}")
+    if np.any(ends < starts):
+        n = int(np.argmax(ends < starts))
+        raise ValueError(f"query_ends: row {n} ends at {ends[n]}, before its query_starts[{n}]={starts[n]}")
+    return starts.tolist(), ends.tolist()
+
+
+def _rule_options(*, hash_block_size, block_size, alignment, drop_eagle_block, num_hash_lookahead_tokens) -> dict:
+    return dict(hash_block_size=check_positive(hash_block_size, name="hash_block_size"),
+                block_size=check_positive(block_size, name="block_size"),
+                alignment=check_optional_positive(alignment, name="alignment"),
+                drop_eagle_block=check_flag(drop_eagle_block, name="drop_eagle_block"),
+                num_hash_lookahead_tokens=check_non_negative(num_hash_lookahead_tokens,
+                                                             name="num_hash_lookahead_tokens"))
+
+
 def checkpoint_position(num_tokens: int, hash_block_size: int, *, drop_eagle_block: bool = False,
                         num_hash_lookahead_tokens: int = 0) -> int:
     """The last cacheable hash boundary of a prompt of `num_tokens` tokens (vLLM never caches the last token).
 
     Under EAGLE block drop the lookup prunes the last matching block, so the checkpoint moves one unit earlier.
     """
-    check_non_negative(num_tokens, name="num_tokens")
-    check_positive(hash_block_size, name="hash_block_size")
-    check_non_negative(num_hash_lookahead_tokens, name="num_hash_lookahead_tokens")
+    num_tokens = check_non_negative(num_tokens, name="num_tokens")
+    hash_block_size = check_positive(hash_block_size, name="hash_block_size")
+    drop_eagle_block = check_flag(drop_eagle_block, name="drop_eagle_block")
+    num_hash_lookahead_tokens = check_non_negative(num_hash_lookahead_tokens, name="num_hash_lookahead_tokens")
     limit = num_tokens if drop_eagle_block else num_tokens - max(1, num_hash_lookahead_tokens)
     position = (limit // hash_block_size) * hash_block_size
     if drop_eagle_block:
@@ -42,11 +75,15 @@ def checkpoint_position(num_tokens: int, hash_block_size: int, *, drop_eagle_blo
 
 def checkpoint_column(query_end: int, block_size: int) -> int:
     """Block-table column of the checkpoint: the one just before the running-state column."""
+    query_end = check_non_negative(query_end, name="query_end")
+    block_size = check_positive(block_size, name="block_size")
     return _cdiv(query_end, block_size) - 2
 
 
 def initial_state_column(query_start: int, block_size: int) -> int:
     """Block-table column holding the step's initial state; -1 for a fresh prompt."""
+    query_start = check_non_negative(query_start, name="query_start")
+    block_size = check_positive(block_size, name="block_size")
     return (query_start - 1) // block_size
 
 
@@ -59,11 +96,13 @@ def is_checkpoint_valid(query_start: int, query_end: int, position: int, *, hash
     from the query start is a multiple of `alignment`. A side effect relied on by the conv export: a valid
     checkpoint is at least B/2 tokens after the query start, so the conv window never reaches before it.
     """
+    query_start, query_end = _query(query_start, query_end)
+    position = check_non_negative(position, name="position")
+    hash_block_size = check_positive(hash_block_size, name="hash_block_size")
+    block_size = check_positive(block_size, name="block_size")
+    alignment = check_optional_positive(alignment, name="alignment")
     if alignment is None:
         return False
-    check_positive(alignment, name="alignment")
-    check_positive(hash_block_size, name="hash_block_size")
-    check_positive(block_size, name="block_size")
     return (query_start % hash_block_size == 0
             and checkpoint_column(query_end, block_size) > initial_state_column(query_start, block_size)
             and query_start + hash_block_size <= position
@@ -73,22 +112,32 @@ def is_checkpoint_valid(query_start: int, query_end: int, position: int, *, hash
 
 def model_checkpoint_alignment(layer_alignments: Iterable[int | None]) -> int | None:
     """LCM of every recurrent layer's alignment (1 for none); None as soon as one layer cannot export."""
-    result = 1
-    for alignment in layer_alignments:
-        if alignment is None:
-            return None
-        result = math.lcm(result, check_positive(alignment, name="layer_alignments"))
-    return result
+    try:
+        alignments = list(layer_alignments)
+    except TypeError:
+        raise ValueError(f"layer_alignments: must be an iterable of positive ints or None, "
+                         f"got {type(layer_alignments).__name__}") from None
+    alignments = [check_optional_positive(a, name="layer_alignments") for a in alignments]
+    if None in alignments:
+        return None
+    return math.lcm(1, *alignments)
 
 
 def checkpoint_grid(alignment: int | None, *, prefix_match_unit: int | None, block_size: int) -> int:
-    """The token grid checkpoint offsets stay on: lcm(prefix_match_unit, alignment) when a unit is set, else B."""
+    """The token grid checkpoint offsets stay on: lcm(prefix_match_unit, alignment) when a unit is set, else B.
+
+    `block_size` may be None only when a prefix-match unit is set.
+    """
     if alignment is None:
         raise ValueError("alignment: the checkpoint grid needs every recurrent layer to declare an alignment")
-    check_positive(alignment, name="alignment")
+    alignment = check_positive(alignment, name="alignment")
+    prefix_match_unit = check_optional_positive(prefix_match_unit, name="prefix_match_unit")
+    block_size = check_optional_positive(block_size, name="block_size")
     if prefix_match_unit is None:
-        return check_positive(block_size, name="block_size")
-    return math.lcm(check_positive(prefix_match_unit, name="prefix_match_unit"), alignment)
+        if block_size is None:
+            raise ValueError("block_size: required when prefix_match_unit is None (the grid is then the block)")
+        return block_size
+    return math.lcm(prefix_match_unit, alignment)
 
 
 def prefill_checkpoints(query_starts: Sequence[int], query_ends: Sequence[int], *, hash_block_size: int,
@@ -100,20 +149,19 @@ def prefill_checkpoints(query_starts: Sequence[int], query_ends: Sequence[int], 
     The position is the prompt's last boundary on the cache-hit grid (`cache_hit_alignment_tokens`, by default the
     hash unit) as seen from the end of this step.
     """
-    unit = hash_block_size if cache_hit_alignment_tokens is None else cache_hit_alignment_tokens
-    starts = np.asarray(query_starts, np.int64).reshape(-1)
-    ends = np.asarray(query_ends, np.int64).reshape(-1)
-    if starts.shape != ends.shape:
-        raise ValueError(f"query_ends: shape {ends.shape} does not match query_starts {starts.shape}")
-    if np.any(starts < 0) or np.any(ends < starts):
-        raise ValueError("query_starts/query_ends: need 0 <= query_start <= query_end per row")
-    offsets = np.zeros(starts.size, np.int32)
-    columns = np.full(starts.size, -1, np.int32)
-    for n, (qs, qe) in enumerate(zip(starts.tolist(), ends.tolist())):
-        pos = checkpoint_position(qe, unit, drop_eagle_block=drop_eagle_block,
-                                  num_hash_lookahead_tokens=num_hash_lookahead_tokens)
-        if is_checkpoint_valid(qs, qe, pos, hash_block_size=hash_block_size, block_size=block_size,
-                               alignment=alignment):
+    starts, ends = _queries(query_starts, query_ends)
+    options = _rule_options(hash_block_size=hash_block_size, block_size=block_size, alignment=alignment,
+                            drop_eagle_block=drop_eagle_block, num_hash_lookahead_tokens=num_hash_lookahead_tokens)
+    block_size = options["block_size"]
+    unit = check_optional_positive(cache_hit_alignment_tokens, name="cache_hit_alignment_tokens")
+    unit = options["hash_block_size"] if unit is None else unit
+    offsets = np.zeros(len(starts), np.int32)
+    columns = np.full(len(starts), -1, np.int32)
+    for n, (qs, qe) in enumerate(zip(starts, ends)):
+        pos = checkpoint_position(qe, unit, drop_eagle_block=options["drop_eagle_block"],
+                                  num_hash_lookahead_tokens=options["num_hash_lookahead_tokens"])
+        if is_checkpoint_valid(qs, qe, pos, hash_block_size=options["hash_block_size"], block_size=block_size,
+                               alignment=options["alignment"]):
             offsets[n] = pos - qs
             columns[n] = checkpoint_column(qe, block_size)
     return offsets, columns
@@ -131,9 +179,19 @@ def row_checkpoints(query_start: int, query_end: int, *, hash_block_size: int, b
     "positions" (caller-given positions, e.g. a known shared-prefix junction, floored to the block grid). When more
     candidates qualify than slots remain, the latest are kept.
     """
-    if policy not in CHECKPOINT_POLICIES:
-        raise ValueError(f"policy: must be one of {CHECKPOINT_POLICIES}, got {policy!r}")
-    check_positive(max_checkpoints_per_row, name="max_checkpoints_per_row")
+    query_start, query_end = _query(query_start, query_end)
+    options = _rule_options(hash_block_size=hash_block_size, block_size=block_size, alignment=alignment,
+                            drop_eagle_block=drop_eagle_block, num_hash_lookahead_tokens=num_hash_lookahead_tokens)
+    hash_block_size, block_size, alignment = options["hash_block_size"], options["block_size"], options["alignment"]
+    drop_eagle_block = options["drop_eagle_block"]
+    num_hash_lookahead_tokens = options["num_hash_lookahead_tokens"]
+    max_checkpoints_per_row = check_positive(max_checkpoints_per_row, name="max_checkpoints_per_row")
+    policy = check_choice(policy, CHECKPOINT_POLICIES, name="policy")
+    positions = check_int_array(positions, name="positions")
+    if np.any(positions < 0):
+        raise ValueError(f"positions: must be non-negative token positions, got {int(positions.min())}")
+    if positions.size and policy != "positions":
+        raise ValueError(f"positions: only read by policy='positions', got policy={policy!r}")
     chosen: dict[int, int] = {}
     last = checkpoint_position(query_end, hash_block_size, drop_eagle_block=drop_eagle_block,
                                num_hash_lookahead_tokens=num_hash_lookahead_tokens)
@@ -145,7 +203,7 @@ def row_checkpoints(query_start: int, query_end: int, *, hash_block_size: int, b
     elif policy == "every_block":
         candidates = range(block_size, query_end, block_size)
     else:
-        candidates = sorted({(int(p) // block_size) * block_size for p in positions})
+        candidates = sorted({(p // block_size) * block_size for p in positions.tolist()})
     extra = []
     for pos in candidates:
         column = pos // block_size - 1
@@ -164,19 +222,23 @@ def batch_checkpoints(query_starts: Sequence[int], query_ends: Sequence[int], *,
                       policy: str = "vllm", positions: Sequence[Sequence[int]] | None = None,
                       drop_eagle_block: bool = False, num_hash_lookahead_tokens: int = 0):
     """`row_checkpoints` over a batch, in CSR form: (checkpoint_cu i32[N + 1], offsets i32[M], columns i32[M])."""
-    starts = [int(s) for s in np.asarray(query_starts).reshape(-1)]
-    ends = [int(e) for e in np.asarray(query_ends).reshape(-1)]
-    if len(starts) != len(ends):
-        raise ValueError(f"query_ends: {len(ends)} rows, query_starts has {len(starts)}")
-    if positions is not None and len(positions) != len(starts):
-        raise ValueError(f"positions: {len(positions)} rows, query_starts has {len(starts)}")
+    starts, ends = _queries(query_starts, query_ends)
+    options = _rule_options(hash_block_size=hash_block_size, block_size=block_size, alignment=alignment,
+                            drop_eagle_block=drop_eagle_block, num_hash_lookahead_tokens=num_hash_lookahead_tokens)
+    max_checkpoints_per_row = check_positive(max_checkpoints_per_row, name="max_checkpoints_per_row")
+    policy = check_choice(policy, CHECKPOINT_POLICIES, name="policy")
+    if positions is not None:
+        try:
+            num_positions = len(positions)
+        except TypeError:
+            raise ValueError(f"positions: must be one sequence of positions per row, got "
+                             f"{type(positions).__name__}") from None
+        if num_positions != len(starts):
+            raise ValueError(f"positions: {num_positions} rows, query_starts has {len(starts)}")
     cu, offsets, columns = [0], [], []
     for n, (qs, qe) in enumerate(zip(starts, ends)):
-        pairs = row_checkpoints(qs, qe, hash_block_size=hash_block_size, block_size=block_size,
-                                alignment=alignment, max_checkpoints_per_row=max_checkpoints_per_row,
-                                policy=policy, positions=() if positions is None else positions[n],
-                                drop_eagle_block=drop_eagle_block,
-                                num_hash_lookahead_tokens=num_hash_lookahead_tokens)
+        pairs = row_checkpoints(qs, qe, **options, max_checkpoints_per_row=max_checkpoints_per_row, policy=policy,
+                                positions=() if positions is None else positions[n])
         offsets += [o for o, _ in pairs]
         columns += [c for _, c in pairs]
         cu.append(len(offsets))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxckpt.plan.conventions import check_non_negative, check_positive
+from jaxckpt.plan.conventions import check_flag, check_non_negative, check_optional_positive, check_positive
 from jaxckpt.plan.rules import checkpoint_position, is_checkpoint_valid
 
 
@@ -36,20 +36,22 @@ class SchedulerConfig:
     shared_prefix_checkpoint: bool = False
 
     def __post_init__(self):
-        check_positive(self.block_size, name="block_size")
-        if self.hash_block_size is not None:
-            check_positive(self.hash_block_size, name="hash_block_size")
-            if self.block_size % self.hash_block_size:
-                raise ValueError(f"hash_block_size: {self.hash_block_size} must divide block_size {self.block_size}")
-        if self.scheduler_block_size is not None:
-            check_positive(self.scheduler_block_size, name="scheduler_block_size")
+        checks = dict(block_size=check_positive, hash_block_size=check_optional_positive,
+                      scheduler_block_size=check_optional_positive, has_checkpoint_blocks=check_flag,
+                      checkpoint_alignment=check_optional_positive, eagle_block_drop=check_flag,
+                      num_hash_lookahead_tokens=check_non_negative, max_num_scheduled_tokens=check_positive,
+                      long_prefill_token_threshold=check_non_negative, shared_prefix_checkpoint=check_flag)
+        for name, check in checks.items():
+            # frozen: the checked value (a Python int, never a numpy scalar that could wrap) replaces the given one
+            object.__setattr__(self, name, check(getattr(self, name), name=name))
+        if self.partial_cache_hit is not None:
+            object.__setattr__(self, "partial_cache_hit", check_flag(self.partial_cache_hit, name="partial_cache_hit"))
+        if self.hash_block_size is not None and self.block_size % self.hash_block_size:
+            raise ValueError(f"hash_block_size: {self.hash_block_size} must divide block_size {self.block_size}")
         if self.has_checkpoint_blocks and self.checkpoint_alignment is None:
             raise ValueError("checkpoint_alignment: required when has_checkpoint_blocks is set")
-        check_non_negative(self.num_hash_lookahead_tokens, name="num_hash_lookahead_tokens")
         if self.eagle_block_drop and self.num_hash_lookahead_tokens > 0:
             raise ValueError("eagle_block_drop: vLLM uses EAGLE block drop only without hash lookahead tokens")
-        check_positive(self.max_num_scheduled_tokens, name="max_num_scheduled_tokens")
-        check_non_negative(self.long_prefill_token_threshold, name="long_prefill_token_threshold")
 
     @property
     def hash_unit(self) -> int:
@@ -70,9 +72,17 @@ def block_aligned_split(config: SchedulerConfig, *, num_prompt_tokens: int, num_
                         num_computed_tokens: int, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
                         num_external_computed_tokens: int = 0, shared_prefix_boundary: int = 0) -> int:
     """How many of the offered `num_new_tokens` to schedule this step (0: cannot schedule now)."""
-    for name, value in (("num_prompt_tokens", num_prompt_tokens), ("num_tokens", num_tokens),
-                        ("num_computed_tokens", num_computed_tokens), ("num_new_tokens", num_new_tokens)):
-        check_non_negative(value, name=name)
+    if not isinstance(config, SchedulerConfig):
+        raise ValueError(f"config: must be a SchedulerConfig, got {type(config).__name__}")
+    num_prompt_tokens = check_non_negative(num_prompt_tokens, name="num_prompt_tokens")
+    num_tokens = check_non_negative(num_tokens, name="num_tokens")
+    num_computed_tokens = check_non_negative(num_computed_tokens, name="num_computed_tokens")
+    num_new_tokens = check_non_negative(num_new_tokens, name="num_new_tokens")
+    num_new_local_computed_tokens = check_non_negative(num_new_local_computed_tokens,
+                                                       name="num_new_local_computed_tokens")
+    num_external_computed_tokens = check_non_negative(num_external_computed_tokens,
+                                                      name="num_external_computed_tokens")
+    shared_prefix_boundary = check_non_negative(shared_prefix_boundary, name="shared_prefix_boundary")
     block = config.block_size
     unit = config.hash_unit
     eagle = config.eagle_block_drop
