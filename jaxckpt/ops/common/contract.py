@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 
 from jaxckpt.ops.common.xla_arrays import check_float, packed_metadata
+from jaxckpt.plan.conventions import check_flag, check_int
 
 
 def _shape(array) -> tuple[int, ...]:
@@ -22,21 +23,6 @@ def _shape(array) -> tuple[int, ...]:
 
 def _dtype(array):
     return jnp.asarray(array).dtype if not hasattr(array, "dtype") else jnp.dtype(array.dtype)
-
-
-def check_python_int(value, *, name: str, low: int = 0, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name}: must be a Python int (a static option), got {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name}: must be in {bound}, got {value}")
-    return int(value)
-
-
-def check_python_bool(value, *, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}: must be True or False (a static option), got {value!r}")
-    return value
 
 
 def check_index_vector(array, length: int, *, name: str, spec: str):
@@ -64,13 +50,14 @@ def check_call(num_tokens: int, options: Mapping[str, object], *, initial_state,
     """The static contract of one packed call; returns (rows N, checkpoint entries M)."""
     cu, _, offsets = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets, num_tokens)
     num_rows, num_checkpoints = cu.shape[0] - 1, offsets.shape[0]
-    check_python_int(num_decodes, name="num_decodes", high=num_rows)
+    if check_int(num_decodes, name="num_decodes", minimum=0) > num_rows:
+        raise ValueError(f"num_decodes: must be at most the row count {num_rows}, got {num_decodes}")
     if "scale" in options and options["scale"] is not None:
         scale = options["scale"]
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
             raise ValueError(f"scale: must be a finite Python number (a static option), got {scale!r}")
     if "use_qk_l2norm" in options:
-        check_python_bool(options["use_qk_l2norm"], name="use_qk_l2norm")
+        check_flag(options["use_qk_l2norm"], name="use_qk_l2norm")
     if initial_state is not None:
         check_float(initial_state, name="initial_state")
         expected = (num_rows, *state_shape)
@@ -94,4 +81,4 @@ def check_paged(state_pool, *, num_rows: int, num_checkpoints: int, state_shape:
     if checkpoint_state_indices is not None:  # None: the checkpoint states are computed and not stored
         check_index_vector(checkpoint_state_indices, num_checkpoints, name="checkpoint_state_indices",
                            spec="i32[M]")
-    check_python_bool(donate, name="donate")
+    check_flag(donate, name="donate")

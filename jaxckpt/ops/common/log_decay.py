@@ -6,11 +6,18 @@ fp32 differences lose four digits; after a zero decay (g = -inf, a state reset) 
 over the range itself keeps every sum as accurate as its own terms, and a range that holds -inf sums to exactly -inf
 (decay exactly 0), so a reset is exact. The chunk axis is -2 throughout, with a channel axis after it (size 1 for one
 decay per head).
+
+The Pallas kernels take differences of chunk cumsums instead. For them `floor_log_decay` raises every token's log
+decay to LOG_DECAY_FLOOR first: exp(-110) is 0 in fp32, so any decay factor over a range that holds such a token is
+exactly 0 before and after the floor (the other terms are <= 0), while the cumsums stay finite and small (no
+-inf - -inf, and about 110 instead of 1e4 to cancel after a strong decay).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+
+LOG_DECAY_FLOOR = -110.0
 
 
 def pair_log_decays(g):
@@ -28,3 +35,8 @@ def suffix_log_decays(g):
     """sum_{t > i} g_t, the log decay from after token i to the chunk's end: g [..., C, Kg] -> [..., C, Kg]."""
     inclusive = jnp.flip(jnp.cumsum(jnp.flip(g, axis=-2), axis=-2), axis=-2)
     return jnp.concatenate([inclusive[..., 1:, :], jnp.zeros_like(inclusive[..., :1, :])], axis=-2)
+
+
+def floor_log_decay(log_decay):
+    """Per-token log decays raised to LOG_DECAY_FLOOR (NaN stays NaN): the same decay factors, finite cumsums."""
+    return jnp.maximum(log_decay, LOG_DECAY_FLOOR)

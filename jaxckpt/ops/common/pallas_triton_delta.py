@@ -91,6 +91,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxckpt.ops.common.log_decay import floor_log_decay
 from jaxckpt.ops.common.pallas_triton_tiles import Dots, row_mask
 from jaxckpt.ops.common.xla_arrays import packed_metadata
 from jaxckpt.plan.layout import chunk_layout, searchsorted
@@ -919,7 +920,7 @@ def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seq
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q, k = q.astype(io_dtype), k.astype(io_dtype)
-    g = g.astype(_F32)
+    g = floor_log_decay(g.astype(_F32))
     if num_tokens == 0:
         # loads need a source row; a padding token past cu_seqlens[-1] = 0 is never read unmasked
         q, k, v, g, beta = (jnp.zeros((1, *x.shape[1:]), x.dtype) for x in (q, k, v, g, beta))

@@ -91,6 +91,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+from jaxckpt.ops.common.log_decay import floor_log_decay
 from jaxckpt.ops.common.pallas_mosaic_gpu_delta import _is_hopper
 from jaxckpt.ops.common.pallas_mosaic_gpu_split import split_lanes
 from jaxckpt.ops.common.xla_arrays import check_ssd_inputs, packed_metadata, ssd_delta, ssd_initial_state
@@ -551,7 +552,9 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
         delta_c = jnp.where(in_chunk, delta.T[:, token_ids], 0.0)  # [H, NC, C], padding slots 0
     else:
         delta_c = jnp.zeros((num_heads, num_chunks, CHUNK), _F32)
-    acs = jnp.cumsum(delta_c * A.astype(_F32)[:, None, None], axis=-1)  # chunk-local
+    # padding slots select 0 (their delta = 0 times A = -inf would be NaN); the floor keeps A = -inf an exact reset
+    dA = jnp.where(in_chunk, floor_log_decay(delta_c * A.astype(_F32)[:, None, None]), 0.0)
+    acs = jnp.cumsum(dA, axis=-1)  # [H, NC, C] chunk-local
 
     checkpoints = None
     if num_ckpt:

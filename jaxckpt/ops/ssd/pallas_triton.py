@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxckpt.ops.common.log_decay import floor_log_decay
 from jaxckpt.ops.common.pallas_triton_tiles import Dots, row_mask
 from jaxckpt.ops.common.xla_arrays import check_ssd_inputs, packed_metadata, ssd_delta, ssd_initial_state
 from jaxckpt.plan.conventions import check_state_layout
@@ -215,7 +216,9 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     chunk_tokens = jnp.clip(lay.chunk_start[:, None] + pos, 0, padded_tokens - 1)  # i32[NC, C]
     in_chunk = pos < lay.chunk_len[:, None]  # bool[NC, C]
     delta_c = jnp.where(in_chunk[None], delta[chunk_tokens].transpose(2, 0, 1), 0)  # [H, NC, C]
-    acs = jnp.cumsum(delta_c * A.astype(_F32)[:, None, None], axis=-1)  # [H, NC, C] chunk-local
+    # padding slots select 0 (their delta = 0 times A = -inf would be NaN); the floor keeps A = -inf an exact reset
+    dA = jnp.where(in_chunk[None], floor_log_decay(delta_c * A.astype(_F32)[:, None, None]), 0.0)
+    acs = jnp.cumsum(dA, axis=-1)  # [H, NC, C] chunk-local
 
     full = pl.BlockSpec()
     vec_block = pl.BlockSpec((None, None, chunk), lambda c, h: (h, c, 0))
