@@ -49,7 +49,7 @@ class Mixer(RecurrentLayer):
     def get_state_dtype(self):
         return (torch.float32, torch.float32)
     def get_prefill_checkpoint_alignment(self):
-        return mamba2_alignment(mamba_cache_mode="align")
+        return mamba2_alignment()
 
 spec = derive_model_specs([Mixer(), Mixer()], block_size=16, mamba_cache_mode="align")[0]
 x = torch.arange(40.0, device="{device}").reshape(10, 4)
