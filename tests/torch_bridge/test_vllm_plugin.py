@@ -362,3 +362,85 @@ print(vllm_plugin.is_installed())
                                 env={**base, **env})
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.strip().splitlines()[-1] == expected, env
+
+
+REQUESTS = [(prompt, budget) for prompt in (1, 700, 1159, 2002, 3602, 8000) for budget in (16384, 2000, 1000)]
+
+
+def decisions(kv_specs, case):
+    """Every step of each request of REQUESTS: the scheduler's align-mode split, then each layer's MambaManager."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    block, mode = case["block_size"], case["mode"]
+    hash_unit = case["prefix_match_unit"] or block
+    # Scheduler.__init__'s two checkpoint fields: the first Mamba group's alignment, blocks in every group.
+    scheduler = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=block), block_size=block, hash_block_size=hash_unit,
+        mamba_partial_cache_hit=hash_unit < block, use_eagle_block_drop=False, num_hash_lookahead_tokens=0,
+        mamba_has_prefill_checkpoint_blocks=all(s.num_prefill_checkpoint_blocks > 0 for s in kv_specs),
+        mamba_prefill_checkpoint_alignment=kv_specs[0].prefill_checkpoint_alignment,
+        max_num_scheduled_tokens=None, scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+        mamba_shared_prefix_checkpoint=False)
+    steps = []
+    for index, (prompt, budget) in enumerate(REQUESTS):
+        caching = mode == "align"
+        scheduler.max_num_scheduled_tokens = budget
+        managers = []
+        for group, kv_spec in enumerate(kv_specs):
+            pool = BlockPool(num_gpu_blocks=400, enable_caching=caching, hash_block_size=hash_unit)
+            manager = MambaManager(kv_spec, pool, enable_caching=caching, kv_cache_group_id=group,
+                                   scheduler_block_size=block)
+            manager.cache_hit_alignment_tokens = hash_unit
+            managers.append(manager)
+        computed, request_id = 0, f"r{index}"
+        while computed < prompt:
+            new = min(prompt - computed, budget)
+            if mode == "align":
+                request = SimpleNamespace(num_computed_tokens=computed, num_prompt_tokens=prompt, num_tokens=prompt,
+                                          shared_prefix_boundary=0)
+                new = Scheduler._mamba_block_aligned_split(scheduler, request, new)
+            assert new > 0, (case, prompt, budget, computed, kv_specs[0])
+            end = computed + new
+            step = [new]
+            for manager in managers:
+                wanted = manager.get_num_blocks_to_allocate(request_id, end, [], computed, 0, end, prefill_end=prompt)
+                allocated = manager.allocate_new_blocks(request_id, end, end)
+                step.append((wanted, len(allocated), tuple(b.is_null for b in manager.req_to_blocks[request_id]),
+                             getattr(manager, "_checkpoints", {}).get(request_id)))
+            steps.append(step)
+            computed = end
+    return steps
+
+
+def reserved_checkpoints(steps):
+    return sum(entry[3] is not None for step in steps for entry in step[1:])
+
+
+DECISION_SWEEP = [case for case in SWEEP if case["page_size_padded"] is None]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_scheduler_split_and_cache_manager_decide_as_without_the_plugin(name):
+    checkpointed = 0
+    for case in DECISION_SWEEP:
+        _, off, _, on = both(MODELS[name], case)
+        theirs, ours = decisions(off, case), decisions(on, case)
+        assert ours == theirs, case
+        checkpointed += reserved_checkpoints(ours)
+    align_fields = [both(MODELS[name], c)[3][0].num_prefill_checkpoint_blocks for c in DECISION_SWEEP
+                    if c["mode"] == "align"]
+    assert (checkpointed > 0) == any(align_fields)
+
+
+@pytest.mark.parametrize("name", sorted(MIXED))
+def test_a_mixed_model_decides_the_same_and_budgets_no_checkpoint_page(name):
+    for case in DECISION_SWEEP:
+        cfg_off, off, cfg_on, on = both(MIXED[name], case)
+        ours = decisions(on, case)
+        # vLLM 0.33's declaring layer opts in alone, but the scheduler still splits, so no chunk gets a checkpoint.
+        assert ours == decisions(off, case) and reserved_checkpoints(ours) == 0
+        opted_in = sum(s.page_size_bytes for s in off if s.num_prefill_checkpoint_blocks)
+        saved = sum(s.max_memory_usage_bytes(cfg_off) for s in off) - sum(s.max_memory_usage_bytes(cfg_on) for s in on)
+        assert opted_in > 0 and saved == (opted_in if case["mode"] == "align" else 0)
