@@ -72,3 +72,12 @@ def test_torch_kernels_import_without_jax():
                  "torch_bridge.interop\nprint('ok')")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_vllm_plugin_module_imports_nothing_and_stays_off_without_the_variable():
+    code = ("import os\nos.environ.pop('JAXCKPT_VLLM_PLUGIN', None)\n"
+            "from torch_bridge import vllm_plugin\nvllm_plugin.register()\n"
+            "print(sorted(m for m in ('jax', 'torch', 'vllm') if m in sys.modules), vllm_plugin.is_installed())")
+    result = run(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[] False"
