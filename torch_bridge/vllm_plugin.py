@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import importlib.abc
 import logging
 import os

@@ -25,7 +25,6 @@ if vllm.__version__ != "0.33.0":
 import torch  # noqa: E402
 from vllm.model_executor.layers.mamba import abstract  # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
-from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
 from torch_bridge import spec as tb  # noqa: E402
 from torch_bridge import vllm_plugin  # noqa: E402
@@ -108,7 +107,7 @@ def rocm_kda(cfg, name, backend, safe_gate, enabled):
 
 
 # Models of one layer kind each (plus Qwen4-Exp's GDN + PLE short conv), as vLLM 0.33 builds them.
-MODELS = {f"mamba2": lambda cfg: [mamba2(cfg, f"m{i}") for i in range(3)]}
+MODELS = {"mamba2": lambda cfg: [mamba2(cfg, f"m{i}") for i in range(3)]}
 for _backend in GDN_BACKENDS:
     MODELS[f"qwen_gdn_{_backend}"] = lambda cfg, b=_backend: [qwen_gdn(cfg, f"g{i}", b) for i in range(3)]
     MODELS[f"qwen4_exp_{_backend}"] = lambda cfg, b=_backend: [qwen_gdn(cfg, "g0", b), ple(cfg, "p0"),
