@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 
+from jaxckpt.plan.conventions import check_non_negative
 from jaxckpt.plan.rules import checkpoint_grid, model_checkpoint_alignment
 from jaxckpt.plan.spec import CACHE_MODES, DTYPE_BYTES, StateSpec, derive_spec
 
@@ -34,9 +35,9 @@ def _check_mode(mamba_cache_mode: str) -> str:
     return mamba_cache_mode
 
 
-def mamba2_alignment(*, mamba_cache_mode: str) -> int | None:
-    """Mamba2 (SSD): the scan forces a chunk break at the checkpoint, so any token works; align mode only."""
-    return MAMBA2_ALIGNMENT if _check_mode(mamba_cache_mode) == "align" else None
+def mamba2_alignment() -> int:
+    """Mamba2 (SSD): the scan forces a chunk break at the checkpoint, so any token works (only align mode reads it)."""
+    return MAMBA2_ALIGNMENT
 
 
 def split_checkpoint_alignment() -> int:
@@ -49,9 +50,11 @@ def fla_kda_alignment() -> int:
     return FLA_KDA_ALIGNMENT
 
 
-def flashinfer_gdn_alignment(*, mamba_cache_mode: str) -> int | None:
-    """FlashInfer GDN: `checkpoint_every_n_tokens` is a multiple of its 64-token chunk; declared in align mode."""
-    return FLASHINFER_GDN_ALIGNMENT if _check_mode(mamba_cache_mode) == "align" else None
+def flashinfer_gdn_alignment(*, gdn_prefill_backend: str, mamba_cache_mode: str) -> int | None:
+    """GDN prefill: FlashInfer's `checkpoint_every_n_tokens` is a multiple of its 64-token chunk, declared in align
+    mode; vLLM's other GDN prefill backends (Triton/FLA, CuTe DSL, AITER FlyDSL, SYCL) cannot export."""
+    capable = gdn_prefill_backend == "flashinfer" and _check_mode(mamba_cache_mode) == "align"
+    return FLASHINFER_GDN_ALIGNMENT if capable else None
 
 
 def short_conv_alignment(*, mamba_cache_mode: str) -> int | None:
@@ -64,11 +67,16 @@ def flashkda_alignment(*, kda_prefill_backend: str) -> int | None:
     return FLASHKDA_ALIGNMENT if kda_prefill_backend == "flashkda" else None
 
 
-def rocm_fused_kda_alignment(*, kda_prefill_backend: str, use_safe_gate: bool, num_speculative_tokens: int,
+def rocm_fused_kda_alignment(*, kda_prefill_backend: str, use_safe_gate: bool, num_speculative_tokens: int | None,
                              use_prefill_checkpoint: bool = True) -> int | None:
-    """ROCm fused KDA chunk kernel: 64-token chunks, only with the fused backend, the safe gate and no drafts."""
-    capable = (use_prefill_checkpoint and kda_prefill_backend == "fused" and use_safe_gate
-               and num_speculative_tokens == 0)
+    """ROCm fused KDA chunk kernel: 64-token chunks, only with the fused backend and the safe gate.
+
+    `num_speculative_tokens`: an int also requires no drafts (README, deviation 5); None is vLLM 0.33's own rule,
+    which does not look at drafts (what the vLLM plugin declares).
+    """
+    capable = use_prefill_checkpoint and kda_prefill_backend == "fused" and use_safe_gate
+    if num_speculative_tokens is not None:
+        capable = capable and check_non_negative(num_speculative_tokens, name="num_speculative_tokens") == 0
     return ROCM_FUSED_KDA_ALIGNMENT if capable else None
 
 

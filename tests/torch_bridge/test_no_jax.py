@@ -49,7 +49,7 @@ class Mixer(RecurrentLayer):
     def get_state_dtype(self):
         return (torch.float32, torch.float32)
     def get_prefill_checkpoint_alignment(self):
-        return mamba2_alignment(mamba_cache_mode="align")
+        return mamba2_alignment()
 
 spec = derive_model_specs([Mixer(), Mixer()], block_size=16, mamba_cache_mode="align")[0]
 x = torch.arange(40.0, device="{device}").reshape(10, 4)
@@ -72,3 +72,12 @@ def test_torch_kernels_import_without_jax():
                  "torch_bridge.interop\nprint('ok')")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_vllm_plugin_module_imports_nothing_and_stays_off_without_the_variable():
+    code = ("import os\nos.environ.pop('JAXCKPT_VLLM_PLUGIN', None)\n"
+            "from torch_bridge import vllm_plugin\nvllm_plugin.register()\n"
+            "print(sorted(m for m in ('jax', 'torch', 'vllm') if m in sys.modules), vllm_plugin.is_installed())")
+    result = run(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[] False"

@@ -30,13 +30,12 @@ class Layer(tb.RecurrentLayer):
 
 
 def test_declared_alignments_and_their_conditions():
-    assert tb.mamba2_alignment(mamba_cache_mode="align") == 1
-    assert tb.mamba2_alignment(mamba_cache_mode="all") is None
-    assert tb.mamba2_alignment(mamba_cache_mode="none") is None
+    assert tb.mamba2_alignment() == 1
     assert tb.split_checkpoint_alignment() == 1
     assert tb.fla_kda_alignment() == 64
-    assert tb.flashinfer_gdn_alignment(mamba_cache_mode="align") == 64
-    assert tb.flashinfer_gdn_alignment(mamba_cache_mode="none") is None
+    assert tb.flashinfer_gdn_alignment(gdn_prefill_backend="flashinfer", mamba_cache_mode="align") == 64
+    for backend, mode in (("flashinfer", "none"), ("flashinfer", "all"), ("triton", "align"), ("cutedsl", "align")):
+        assert tb.flashinfer_gdn_alignment(gdn_prefill_backend=backend, mamba_cache_mode=mode) is None
     assert tb.short_conv_alignment(mamba_cache_mode="align") == 1
     assert tb.short_conv_alignment(mamba_cache_mode="all") is None
     assert tb.flashkda_alignment(kda_prefill_backend="flashkda") == 16
@@ -48,7 +47,17 @@ def test_declared_alignments_and_their_conditions():
                    {"num_speculative_tokens": 1}, {"use_prefill_checkpoint": False}):
         assert tb.rocm_fused_kda_alignment(**{**capable, **change}) is None, change
     with pytest.raises(ValueError, match="^mamba_cache_mode"):
-        tb.mamba2_alignment(mamba_cache_mode="aligned")
+        tb.flashinfer_gdn_alignment(gdn_prefill_backend="flashinfer", mamba_cache_mode="aligned")
+    with pytest.raises(ValueError, match="^num_speculative_tokens"):
+        tb.rocm_fused_kda_alignment(**{**capable, "num_speculative_tokens": -1})
+
+
+def test_rocm_kda_drafts_rule_is_ours_and_none_is_vllms():
+    # Deviation 5: an int draft count declines with drafts; None is vLLM 0.33's rule (what the plugin declares).
+    vllm_rule = dict(kda_prefill_backend="fused", use_safe_gate=True, num_speculative_tokens=None)
+    assert tb.rocm_fused_kda_alignment(**vllm_rule) == 64
+    assert tb.rocm_fused_kda_alignment(**{**vllm_rule, "num_speculative_tokens": 2}) is None
+    assert tb.rocm_fused_kda_alignment(**{**vllm_rule, "use_safe_gate": False}) is None
 
 
 def test_published_grid_and_flashinfer_planning():

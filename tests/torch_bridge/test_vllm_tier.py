@@ -138,7 +138,7 @@ def test_mamba2_mixer(mode, num_spec):
     cfg = config(mode, num_speculative_tokens=num_spec, page_size_padded=1 << 22)
     shapes, dtypes = ((3, 4096), (64, 64, 128)), (torch.bfloat16, torch.float32)
     layers = [vllm_layer(mixer2.MambaMixer2, cfg, name=f"m{i}", shapes=shapes, dtypes=dtypes) for i in range(2)]
-    ours = derive([Ours(tb.mamba2_alignment(mamba_cache_mode=mode), shapes=shapes, dtypes=dtypes,
+    ours = derive([Ours(tb.mamba2_alignment(), shapes=shapes, dtypes=dtypes,
                         mamba_type="mamba2") for _ in layers], cfg)
     for layer, our in zip(layers, ours):
         theirs = tb.from_vllm_spec(layer.get_kv_cache_spec(cfg))
@@ -154,7 +154,7 @@ def test_mamba2_mixer(mode, num_spec):
 def gdn_layer(module, cfg, name, backend):
     # What QwenGatedDeltaNetAttention.__init__ decides: FlashInfer exports, in align mode only.
     exports = cfg.cache_config.mamba_cache_mode == "align" and backend == "flashinfer"
-    return vllm_layer(module.QwenGatedDeltaNetAttention, cfg, name=name, vllm_config=cfg,
+    return vllm_layer(module.QwenGatedDeltaNetAttention, cfg, name=name, vllm_config=cfg, gdn_prefill_backend=backend,
                       _checkpoint_alignment=tb.FLASHINFER_GDN_ALIGNMENT if exports else None)
 
 
@@ -166,7 +166,8 @@ def test_flashinfer_gdn_and_the_ple_short_conv(mode, prefix_match_unit, with_sho
     block_size = 1536
     cfg = config(mode, block_size=block_size, prefix_match_unit=prefix_match_unit)
     layers = [gdn_layer(gdn, cfg, f"g{i}", "flashinfer") for i in range(2)]
-    ours = [Ours(tb.flashinfer_gdn_alignment(mamba_cache_mode=mode)) for _ in layers]
+    ours = [Ours(tb.flashinfer_gdn_alignment(gdn_prefill_backend="flashinfer", mamba_cache_mode=mode))
+            for _ in layers]
     if with_short_conv:
         ple = vllm_module("vllm.models.qwen4_exp.nvidia.ple_layer")
         conv_shapes, conv_dtypes = ((1024, 3),), (torch.bfloat16,)
@@ -194,7 +195,8 @@ def test_one_gdn_layer_without_export_disables_every_layer(mode):
     gdn = vllm_module("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn")
     cfg = config(mode)
     layers = [gdn_layer(gdn, cfg, "g0", "flashinfer"), gdn_layer(gdn, cfg, "g1", "triton")]
-    derived = derive([Ours(tb.flashinfer_gdn_alignment(mamba_cache_mode=mode)), Ours(None)], cfg)
+    derived = derive([Ours(tb.flashinfer_gdn_alignment(gdn_prefill_backend="flashinfer", mamba_cache_mode=mode)),
+                      Ours(tb.flashinfer_gdn_alignment(gdn_prefill_backend="triton", mamba_cache_mode=mode))], cfg)
     for layer, our in zip(layers, derived):
         assert tb.from_vllm_spec(layer.get_kv_cache_spec(cfg)) == our
         assert fields(our) == (0, None)
