@@ -202,3 +202,36 @@ def test_negative_controls(name, change):
     errors = [rel_rms(logits, hf_logits(hf, row))
               for row, logits in zip(rows, _packed_logits(ours, rows, state=_corrupted(ours, name, change)))]
     assert max(errors) > 100 * TOL, f"{name} corrupted, still rel-RMS {errors}"
+
+
+def test_bf16_folder_loads_in_bf16():
+    import tempfile
+
+    hf, _, _ = _models()
+    folder = tempfile.mkdtemp(prefix="qwen3_next_bf16_")
+    import copy
+    copy.deepcopy(hf).to(torch.bfloat16).save_pretrained(folder)
+    ours = Qwen3NextForCausalLM.from_pretrained(folder, block_size=8, max_model_len=128)
+    assert ours.config.dtype == "bfloat16"
+    params = param_dict(ours)
+    weight = params["model.layers.0.linear_attn.in_proj_qkvz.weight"]
+    assert weight.dtype == np.dtype("bfloat16")
+    expected = hf.state_dict()["model.layers.0.linear_attn.in_proj_qkvz.weight"].to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(weight.astype(np.float32), expected)
+    assert params["model.layers.0.linear_attn.A_log"].dtype == np.float32  # decay parameters stay fp32
+
+
+def test_engine_serves_it_with_checkpoints():
+    """The align-mode engine runs the loaded model unchanged; a prompt sharing 2 blocks with an earlier one resumes
+    from the boundary state the first one exported mid-forward, and its first logits match transformers'."""
+    from jaxckpt.engine import Engine, EngineConfig, HybridRunner
+
+    hf, ours, _ = _models()
+    shared, tail_a, tail_b = _rows(4, [19, 6, 9])
+    engine = Engine(HybridRunner(ours, prefill_tokens=64, num_checkpoints=4),
+                    EngineConfig(mode="several", num_kv_pages=PAGES, num_state_slots=SLOTS, max_new_tokens=2,
+                                 max_num_scheduled_tokens=64))
+    first, second = engine.run([shared + tail_a, shared + tail_b])
+    assert first.checkpoints >= 2 and second.hit_tokens == 16 and second.prefill_tokens == 12
+    for result, prompt in ((first, shared + tail_a), (second, shared + tail_b)):
+        assert rel_rms(result.first_logits, hf_logits(hf, prompt)[-1]) <= TOL
