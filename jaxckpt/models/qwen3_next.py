@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxckpt.layers import GatedDeltaNet, Linear, StepMetadata, load_params
@@ -265,15 +266,22 @@ class Qwen3NextForCausalLM(nnx.Module):
         """Loads a Hugging Face Qwen3-Next folder (config.json, model.safetensors[.index.json]) by the files' own
         names, in `dtype` (default: the config's). `serving`: block_size, max_model_len, chunk_size,
         implementation. The multi-token-prediction head (`mtp.*`) is not used and not loaded."""
-        hf = read_config(local_dir)
-        config = Qwen3NextConfig.from_hf(hf, dtype=config_dtype(hf, dtype), **serving)
-        params = {k: v for k, v in read_safetensors(local_dir).items() if not k.startswith("mtp.")}
-        model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+        return cls.from_params(read_config(local_dir), read_safetensors(local_dir), dtype=dtype, **serving)
+
+    @classmethod
+    def from_params(cls, hf_config: Mapping, params: Mapping[str, np.ndarray], *, dtype: str | None = None,
+                    **serving):
+        """As `from_pretrained`, from config.json's dict and {checkpoint name: array} (the files' names, or
+        transformers' in-memory state dict with its fused experts). The model is built abstract and each parameter
+        allocated once, from `params`."""
+        config = Qwen3NextConfig.from_hf(hf_config, dtype=config_dtype(hf_config, dtype), **serving)
+        params = {k: v for k, v in params.items() if not k.startswith("mtp.")}
         for i in range(config.num_hidden_layers):
             if config.is_moe_layer(i):
                 stack_experts(params, f"model.layers.{i}.mlp", config.num_experts)
         if config.tie_word_embeddings:
             params.pop("lm_head.weight", None)
+        model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
         load_params(model, params)
         return model
 
