@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from flax import nnx  # noqa: E402
 
-from jaxckpt.layers import param_dict  # noqa: E402
+from jaxckpt.layers import load_params, param_dict  # noqa: E402
 from jaxckpt.models import Qwen3NextForCausalLM, export_state, import_state  # noqa: E402
 from jaxckpt.models.common import forward, from_hf_cache, hf_dynamic_cache, read_safetensors  # noqa: E402
 from tests.models.hf_helpers import hf_cached_run, hf_logits, hf_modeling, randomize, rel_rms, step  # noqa: E402
@@ -164,12 +164,11 @@ def test_checkpointed_prefill_resume_and_decode_match_transformers_cache():
 
 
 def _corrupted(ours, name, change):
-    _, state = nnx.split(ours)
-    flat = dict(nnx.to_flat_state(state))
-    path = tuple(int(p) if p.isdigit() else p for p in name.split("."))
-    variable = flat[path]
-    variable.set_value(change(np.asarray(variable.get_value())))
-    return nnx.from_flat_state(flat)
+    """The state of a copy of `ours` with parameter `name` changed (same graph and shapes: no recompile)."""
+    copy = nnx.clone(ours)
+    params = dict(param_dict(copy))
+    load_params(copy, {name: change(params[name])}, strict=False)
+    return nnx.split(copy)[1]
 
 
 def _swap_experts(w):
