@@ -234,3 +234,27 @@ def test_engine_serves_it_with_checkpoints():
     assert first.checkpoints >= 2 and second.hit_tokens == 16 and second.prefill_tokens == 12
     for result, prompt in ((first, shared + tail_a), (second, shared + tail_b)):
         assert rel_rms(result.first_logits, hf_logits(hf, prompt)[-1]) <= TOL
+
+
+def test_config_reads_the_published_form_and_rejects_what_it_cannot_run():
+    from jaxckpt.models import Qwen3NextConfig
+
+    published = dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
+                     num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                     linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                     linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                     shared_expert_intermediate_size=512, full_attention_interval=4, rope_theta=10000000,
+                     partial_rotary_factor=0.25, rms_norm_eps=1e-6, hidden_act="silu", decoder_sparse_step=1,
+                     mlp_only_layers=[], norm_topk_prob=True, torch_dtype="bfloat16")
+    config = Qwen3NextConfig.from_hf(published, block_size=16)
+    assert config.kinds == ("gdn", "gdn", "gdn", "attention") * 2
+    assert config.rope_theta == 10000000 and config.rotary_dim == 64
+    assert all(config.is_moe_layer(i) for i in range(8))
+    for change, field in ((dict(model_type="qwen3"), "model_type"), (dict(hidden_act="gelu"), "hidden_act"),
+                          (dict(rope_parameters={"rope_type": "yarn"}), "rope"),
+                          (dict(layer_types=["linear_attention"] * 7), "layer_types"),
+                          (dict(partial_rotary_factor=0.0), "partial_rotary_factor")):
+        with pytest.raises(ValueError, match=field):
+            Qwen3NextConfig.from_hf(published | change)
+    with pytest.raises(ValueError, match="max_model_len"):
+        Qwen3NextConfig.from_hf(published, block_size=16, max_model_len=1000)
