@@ -5,6 +5,9 @@ the pages of its row up to its own position (context and this step's tokens alik
 tile inside one row gathers that row's pages once ([MAXB * block_size, kv_heads, head_dim]) and attends densely;
 the few tiles that straddle rows gather per token. fp32 caches attend at HIGHEST precision (the CPU tests compare
 against an uncached reference); 16-bit caches use the tensor cores with fp32 accumulation.
+
+`paged_attention` (the paged write and attend) and `causal_attention` (its dense oracle) take projected heads, so
+model-specific attentions (gated, q/k-normed, MLA) reuse them around their own projections.
 """
 
 from __future__ import annotations
@@ -20,14 +23,19 @@ from jaxckpt.plan.layout import searchsorted
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def rope(x, positions, *, theta: float):
-    """Rotary embedding, rotate-half (GPT-NeoX) form: x [T, H, D], positions i32[T]."""
-    half = x.shape[-1] // 2
+def rope(x, positions, *, theta: float, rotary_dim: int | None = None):
+    """Rotary embedding, rotate-half (GPT-NeoX) form, on the first `rotary_dim` channels of each head (all when None;
+    Qwen3-Next rotates a quarter): x [T, H, D], positions i32[T]."""
+    rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
+    if rotary_dim % 2 or not 0 < rotary_dim <= x.shape[-1]:
+        raise ValueError(f"rotary_dim: must be even and in (0, {x.shape[-1]}], got {rotary_dim}")
+    half = rotary_dim // 2
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # [T, D / 2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # [T, rotary_dim / 2]
     cos, sin = jnp.cos(angles)[:, None], jnp.sin(angles)[:, None]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    x32 = x.astype(jnp.float32)
+    x1, x2, rest = x32[..., :half], x32[..., half:rotary_dim], x32[..., rotary_dim:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1).astype(x.dtype)
 
 
 def _attend(q, k, v, valid):
@@ -43,6 +51,62 @@ def _attend(q, k, v, valid):
     probs = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum("qgrl,lgd->qgrd", probs.astype(v.dtype), v, precision=precision,
                       preferred_element_type=jnp.float32)
+
+
+def paged_attention(q, k, v, meta: StepMetadata, pools, *, block_size: int, query_tile: int = 64):
+    """Writes this step's k, v to the pages named by the block tables (padding tokens write nothing), then each query
+    token attends over its row's pages up to its own position.
+
+    q [T, Hkv, r, Dk] (rotated and scaled, fp32), k [T, Hkv, Dk], v [T, Hkv, Dv]; pools (k_pages [P, block_size, Hkv,
+    Dk], v_pages [P, block_size, Hkv, Dv]). Returns (out fp32 [T, Hkv, r, Dv], (k_pages, v_pages)).
+    """
+    k_pages, v_pages = pools
+    num_tokens = q.shape[0]
+    num_kv_heads = k.shape[1]
+    cu = meta.cu_seqlens
+    num_rows = cu.shape[0] - 1
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    rows = jnp.clip(searchsorted(jnp, cu[1:], token, side="right"), 0, num_rows - 1).astype(jnp.int32)
+    real = token < cu[num_rows]
+    positions = meta.positions
+    page = jnp.where(real, meta.block_tables[rows, positions // block_size], k_pages.shape[0])
+    within = positions % block_size
+    k_pages = k_pages.at[page, within].set(k.astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[page, within].set(v.astype(v_pages.dtype), mode="drop")
+    span = meta.block_tables.shape[1] * block_size
+
+    def row_pages(row):
+        pages = meta.block_tables[row]  # [MAXB]
+        return (k_pages[pages].reshape(span, num_kv_heads, k_pages.shape[-1]),
+                v_pages[pages].reshape(span, num_kv_heads, v_pages.shape[-1]))
+
+    def attend_token(q_t, row, pos):
+        return _attend(q_t[None], *row_pages(row), (jnp.arange(span) <= pos)[None])[0]
+
+    def attend_tile(args):
+        q_tile, row_tile, pos_tile = args  # [Q, Hkv, r, D], i32[Q], i32[Q]
+        valid = jnp.arange(span)[None, :] <= pos_tile[:, None]  # [Q, span]
+        return jax.lax.cond(row_tile[0] == row_tile[-1],
+                            lambda: _attend(q_tile, *row_pages(row_tile[0]), valid),
+                            lambda: jax.vmap(attend_token)(q_tile, row_tile, pos_tile))
+
+    pad = -num_tokens % query_tile
+    # padding queries repeat the last token's row and position, so they never make a tile straddle rows
+    tiles = [jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]).reshape(-1, query_tile, *a.shape[1:])
+             for a in (q, rows, positions)]
+    out = jax.lax.map(attend_tile, tiles)
+    out = out.reshape(num_tokens + pad, *q.shape[1:3], v_pages.shape[-1])[:num_tokens]
+    return out, (k_pages, v_pages)
+
+
+def causal_attention(q, k, v):
+    """Dense causal attention over one whole sequence, no cache: q [T, Hkv, r, Dk] (scaled, fp32), k [T, Hkv, Dk],
+    v [T, Hkv, Dv] -> fp32 [T, Hkv, r, Dv]."""
+    num_tokens = q.shape[0]
+    causal = jnp.arange(num_tokens)[None, :] <= jnp.arange(num_tokens)[:, None]  # [T, T]
+    scores = jnp.einsum("tgrd,lgd->tgrl", q, k.astype(jnp.float32), precision=_HIGHEST)
+    probs = jax.nn.softmax(jnp.where(causal[:, None, None, :], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("tgrl,lgd->tgrd", probs, v.astype(jnp.float32), precision=_HIGHEST)
 
 
 class Attention(nnx.Module):
@@ -87,51 +151,11 @@ class Attention(nnx.Module):
 
         Returns (out [T, d_model], (k_pages, v_pages)) with this step's K/V written (padding tokens write nothing).
         """
-        k_pages, v_pages = pools
-        num_tokens = x.shape[0]
-        cu = meta.cu_seqlens
-        num_rows = cu.shape[0] - 1
-        token = jnp.arange(num_tokens, dtype=jnp.int32)
-        rows = jnp.clip(searchsorted(jnp, cu[1:], token, side="right"), 0, num_rows - 1).astype(jnp.int32)
-        real = token < cu[num_rows]
-        positions = meta.positions
-        q, k, v = self._qkv(x, positions)
-        page = jnp.where(real, meta.block_tables[rows, positions // self.block_size], k_pages.shape[0])
-        within = positions % self.block_size
-        k_pages = k_pages.at[page, within].set(k.astype(k_pages.dtype), mode="drop")
-        v_pages = v_pages.at[page, within].set(v.astype(v_pages.dtype), mode="drop")
-        span = meta.block_tables.shape[1] * self.block_size
-
-        def row_pages(row):
-            pages = meta.block_tables[row]  # [MAXB]
-            shape = (span, self.num_kv_heads, self.head_dim)
-            return k_pages[pages].reshape(shape), v_pages[pages].reshape(shape)
-
-        def attend_token(q_t, row, pos):
-            return _attend(q_t[None], *row_pages(row), (jnp.arange(span) <= pos)[None])[0]
-
-        def attend_tile(args):
-            q_tile, row_tile, pos_tile = args  # [Q, Hkv, r, D], i32[Q], i32[Q]
-            valid = jnp.arange(span)[None, :] <= pos_tile[:, None]  # [Q, span]
-            return jax.lax.cond(row_tile[0] == row_tile[-1],
-                                lambda: _attend(q_tile, *row_pages(row_tile[0]), valid),
-                                lambda: jax.vmap(attend_token)(q_tile, row_tile, pos_tile))
-
-        tile = self.query_tile
-        pad = -num_tokens % tile
-        # padding queries repeat the last token's row and position, so they never make a tile straddle rows
-        tiles = [jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]).reshape(-1, tile, *a.shape[1:])
-                 for a in (q, rows, positions)]
-        out = jax.lax.map(attend_tile, tiles).reshape(num_tokens + pad, *q.shape[1:])[:num_tokens]
-        out = out.reshape(num_tokens, self.num_heads * self.head_dim).astype(x.dtype)
-        return self.o_proj(out), (k_pages, v_pages)
+        q, k, v = self._qkv(x, meta.positions)
+        out, pools = paged_attention(q, k, v, meta, pools, block_size=self.block_size, query_tile=self.query_tile)
+        return self.o_proj(out.reshape(x.shape[0], -1).astype(x.dtype)), pools
 
     def reference(self, x, *, implementation=None):
         """One whole sequence x [T, d_model], dense causal attention, no cache."""
-        num_tokens = x.shape[0]
-        q, k, v = self._qkv(x, jnp.arange(num_tokens))
-        causal = jnp.arange(num_tokens)[None, :] <= jnp.arange(num_tokens)[:, None]  # [T, T]
-        scores = jnp.einsum("tgrd,lgd->tgrl", q, k.astype(jnp.float32), precision=_HIGHEST)
-        probs = jax.nn.softmax(jnp.where(causal[:, None, None, :], scores, -jnp.inf), axis=-1)
-        out = jnp.einsum("tgrl,lgd->tgrd", probs, v.astype(jnp.float32), precision=_HIGHEST)
-        return self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype))
+        out = causal_attention(*self._qkv(x, jnp.arange(x.shape[0])))
+        return self.o_proj(out.reshape(x.shape[0], -1).astype(x.dtype))

@@ -62,7 +62,8 @@ def load_params(module: nnx.Module, params: Mapping[str, np.ndarray], *, strict:
     """Sets the parameters of `module` in place from {dotted name: array}, cast to each parameter's dtype.
 
     An array may differ from the parameter's shape only by size-1 axes (torch conv weights [D, 1, W], vLLM's A_log
-    [1, 1, H, 1]). With `strict`, names missing from `params` or unknown to the module raise ValueError.
+    [1, 1, H, 1]). With `strict`, names missing from `params` or unknown to the module raise ValueError. The module
+    may be abstract (`nnx.eval_shape`): loading then allocates each parameter once, from the checkpoint.
     """
     flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
     names = {".".join(map(str, path)): variable for path, variable in flat}
@@ -75,11 +76,12 @@ def load_params(module: nnx.Module, params: Mapping[str, np.ndarray], *, strict:
         if name not in params:
             continue
         array = np.asarray(params[name])
-        target = variable[...].shape
+        current = variable.get_value()  # an array, or a ShapeDtypeStruct in a model built by nnx.eval_shape
+        target = current.shape
         squeezed = tuple(d for d in array.shape if d != 1)
         if array.shape != target and squeezed != tuple(d for d in target if d != 1):
             raise ValueError(f"params: {name} has shape {array.shape}, expected {target}")
-        variable[...] = jnp.asarray(array.reshape(target), variable[...].dtype)
+        variable.set_value(jnp.asarray(array.reshape(target), current.dtype))
 
 
 def state_pools(shapes, num_slots: int, *, fill: float = 0.0, dtype=jnp.float32):

@@ -1,0 +1,296 @@
+"""Pieces the published-architecture models share: reading a Hugging Face model folder (config.json, sharded
+safetensors by the index's own names), the zero-centred RMSNorm, the SwiGLU MLP, grouped-matmul MoE experts, cache
+allocation, and the conversion of a request's state between our pools and transformers' cache layout.
+
+Nothing here imports torch; `hf_dynamic_cache` / `from_hf_cache` import transformers lazily, for callers who hand
+states to or take them from transformers' own models.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import struct
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from jaxckpt.layers import Linear, validate_step
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                       "BOOL": np.bool_}
+
+
+def _rms(x, eps: float):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def read_config(local_dir: str | os.PathLike) -> dict:
+    """The folder's config.json as a dict."""
+    path = os.path.join(local_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"local_dir: no config.json in {os.fspath(local_dir)!r}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _read_safetensors_file(path: str) -> dict[str, np.ndarray]:
+    """One .safetensors file memory-mapped into numpy arrays (bf16 as ml_dtypes.bfloat16, which numpy's loader in
+    the safetensors package does not read)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    arrays = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"local_dir: tensor {name!r} in {path!r} has dtype {info['dtype']}, not one of "
+                             f"{sorted(_SAFETENSORS_DTYPES)}")
+        begin, end = info["data_offsets"]
+        arrays[name] = data[begin:end].view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return arrays
+
+
+def read_safetensors(local_dir: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every tensor of a model folder by its file name: the shards listed in model.safetensors.index.json, or the one
+    model.safetensors. Arrays are memory-mapped (read-only); a name in two shards raises ValueError."""
+    local_dir = os.fspath(local_dir)
+    index = os.path.join(local_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif os.path.isfile(os.path.join(local_dir, "model.safetensors")):
+        weight_map, files = None, ["model.safetensors"]
+    else:
+        raise ValueError(f"local_dir: neither model.safetensors.index.json nor model.safetensors in {local_dir!r}")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        for name, array in _read_safetensors_file(os.path.join(local_dir, file)).items():
+            if name in tensors:
+                raise ValueError(f"local_dir: tensor {name!r} appears in two shards")
+            tensors[name] = array
+    if weight_map is not None and set(weight_map) != set(tensors):
+        missing = sorted(set(weight_map) - set(tensors))[:5]
+        raise ValueError(f"local_dir: the index names tensors its shards lack, e.g. {missing}")
+    return tensors
+
+
+def config_dtype(hf_config: Mapping, dtype: str | None) -> str:
+    """The dtype a model is built in: `dtype` when given, else config.json's `dtype` / `torch_dtype`, else fp32."""
+    name = dtype or hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype: must be float32, bfloat16 or float16, got {name!r}")
+    return name
+
+
+class ZeroCenteredRMSNorm(nnx.Module):
+    """x / rms(x) * (1 + weight) in fp32, cast back (Qwen3-Next's RMSNorm); weight [dim] starts at zeros."""
+
+    def __init__(self, dim: int, *, eps: float, dtype=jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.zeros(dim, dtype))
+
+    def __call__(self, x):  # [..., dim]
+        return (_rms(x.astype(jnp.float32), self.eps) * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class SwiGLUMLP(nnx.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)); names as transformers' `*MLP`."""
+
+    def __init__(self, d_model: int, d_ff: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(d_model, d_ff, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d_model, d_ff, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(d_ff, d_model, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):  # [T, d_model]
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nnx.Module):
+    """E SwiGLU experts of width I as two grouped matmuls (`jax.lax.ragged_dot`) over the token-expert pairs sorted
+    by expert.
+
+    gate_up_proj [E, d_model, 2I] ([gate | up] on the last axis), down_proj [E, I, d_model]: [in, out] per expert,
+    the layout ragged_dot takes. Checkpoints name the experts one by one (`experts.{e}.gate_proj.weight` [I, d_model],
+    ...) or fused in transformers' memory layout (`experts.gate_up_proj` [E, 2I, d_model]); `stack_experts`
+    converts either.
+    """
+
+    def __init__(self, num_experts: int, d_model: int, d_ff: int, *, dtype, rngs: nnx.Rngs):
+        self.num_experts, self.d_ff = num_experts, d_ff
+        self.gate_up_proj = nnx.Param((jax.random.normal(rngs.params(), (num_experts, d_model, 2 * d_ff))
+                                       * d_model ** -0.5).astype(dtype))
+        self.down_proj = nnx.Param((jax.random.normal(rngs.params(), (num_experts, d_ff, d_model))
+                                    * d_ff ** -0.5).astype(dtype))
+
+    def __call__(self, x, weights, indices):
+        """x [T, d_model]; weights [T, k] routing weights, indices i32[T, k] experts -> [T, d_model]."""
+        num_tokens, top_k = indices.shape
+        flat = indices.reshape(-1)                                    # [T * k]
+        order = jnp.argsort(flat, stable=True)                        # pairs grouped by expert, tokens ascending
+        token_of = order // top_k
+        sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)  # i32[E]
+        precision = _HIGHEST if x.dtype == jnp.float32 else None
+        gate_up = jax.lax.ragged_dot(x[token_of], self.gate_up_proj[...], sizes, precision=precision,
+                                     preferred_element_type=jnp.float32).astype(x.dtype)  # [T * k, 2I]
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        hidden = jax.nn.silu(gate) * up
+        out = jax.lax.ragged_dot(hidden, self.down_proj[...], sizes, precision=precision,
+                                 preferred_element_type=jnp.float32).astype(x.dtype)  # [T * k, d_model]
+        out = out * weights.reshape(-1)[order][:, None].astype(x.dtype)
+        # pairs are in expert order, so each token sums its experts in ascending expert order (as transformers does)
+        return jnp.zeros_like(x).at[token_of].add(out)
+
+
+def stack_experts(params: dict[str, np.ndarray], prefix: str, num_experts: int) -> None:
+    """Rewrites `{prefix}.experts.*` of a checkpoint in place into `Experts`' gate_up_proj / down_proj."""
+    fused = f"{prefix}.experts.gate_up_proj"
+    if fused in params:
+        gate_up = np.asarray(params.pop(fused))        # [E, 2I, d_model]
+        down = np.asarray(params.pop(f"{prefix}.experts.down_proj"))  # [E, d_model, I]
+    else:
+        names = [(f"{prefix}.experts.{e}.gate_proj.weight", f"{prefix}.experts.{e}.up_proj.weight",
+                  f"{prefix}.experts.{e}.down_proj.weight") for e in range(num_experts)]
+        missing = [n for group in names for n in group if n not in params]
+        if missing:
+            raise ValueError(f"params: missing expert weights, e.g. {missing[:3]}")
+        gate_up = np.stack([np.concatenate([params.pop(g), params.pop(u)]) for g, u, _ in names])
+        down = np.stack([params.pop(d) for _, _, d in names])
+    if gate_up.shape[0] != num_experts:
+        raise ValueError(f"params: {prefix}.experts holds {gate_up.shape[0]} experts, the config {num_experts}")
+    params[f"{prefix}.experts.gate_up_proj"] = np.swapaxes(gate_up, 1, 2)
+    params[f"{prefix}.experts.down_proj"] = np.swapaxes(down, 1, 2)
+
+
+def init_caches(mixers: Sequence[nnx.Module], layer_types: tuple[str, ...], num_kv_pages: int,
+                num_state_slots: int, *, kv_dtype, fill: float = 0.0):
+    """`jaxckpt.models.hybrid.Caches` for a stack of mixers: attention layers (`page_shapes`) get KV pages
+    [num_kv_pages, *page] in `kv_dtype`, recurrent layers (`state_shapes`) fp32 pools [num_state_slots, *shape].
+    Page 0 and slot 0 are null; `fill=nan` poisons them for tests."""
+    from jaxckpt.models.hybrid import Caches
+
+    if num_kv_pages < 2:
+        raise ValueError(f"num_kv_pages: the KV pool needs at least 2 pages (page 0 is the null page), "
+                         f"got {num_kv_pages}")
+    if num_state_slots < 2:
+        raise ValueError(f"num_state_slots: the state pools need at least 2 slots (slot 0 is the null slot), "
+                         f"got {num_state_slots}")
+    layers = []
+    for mixer, layer_type in zip(mixers, layer_types):
+        if layer_type == "attention":
+            layers.append(tuple(jnp.full((num_kv_pages, *shape), fill, kv_dtype) for shape in mixer.page_shapes))
+        else:
+            layers.append(tuple(jnp.full((num_state_slots, *shape), fill, jnp.float32)
+                                for shape in mixer.state_shapes))
+    return Caches(tuple(layers), layer_types)
+
+
+def export_state(caches, *, slot: int, pages: Sequence[int], num_tokens: int, block_size: int) -> list[dict]:
+    """One request's state at `num_tokens` tokens in transformers' cache layout, as numpy arrays per layer.
+
+    Recurrent layers: `conv` [D, W] (transformers keeps the last W conv inputs, we keep W - 1: the oldest column,
+    which no later step reads, is zero) and `recurrent` (the pool's slot, same layout). Attention layers: `keys`
+    [Hkv, num_tokens, Dk], `values` [Hkv, num_tokens, Dv] gathered from `pages` (the request's block table).
+    """
+    if len(pages) * block_size < num_tokens:
+        raise ValueError(f"pages: {len(pages)} pages of {block_size} cannot hold {num_tokens} tokens")
+    out = []
+    for layer_type, pools in zip(caches.layer_types, caches.layers):
+        if layer_type == "attention":
+            used = np.asarray(pages[:-(-num_tokens // block_size)], np.int64)
+            keys, values = (np.asarray(p)[used].reshape(-1, *p.shape[2:])[:num_tokens] for p in pools)
+            out.append({"keys": np.swapaxes(keys, 0, 1), "values": np.swapaxes(values, 0, 1)})
+        else:
+            conv = np.asarray(pools[0][slot])
+            out.append({"conv": np.concatenate([np.zeros_like(conv[:, :1]), conv], axis=1),
+                        "recurrent": np.asarray(pools[1][slot])})
+    return out
+
+
+def import_state(caches, layers: Sequence[Mapping[str, np.ndarray]], *, slot: int, pages: Sequence[int],
+                 block_size: int):
+    """The inverse of `export_state`: writes a request's state (transformers' layout) into `slot` of every recurrent
+    pool and into `pages` of every KV pool; returns new caches. Resume it with context_lens = the token count,
+    initial_state_indices = slot, and the same pages first in the block table."""
+    from jaxckpt.models.hybrid import Caches
+
+    if len(layers) != len(caches.layers):
+        raise ValueError(f"layers: {len(layers)} layer states for a model of {len(caches.layers)} layers")
+    new = []
+    for i, (layer_type, pools, state) in enumerate(zip(caches.layer_types, caches.layers, layers)):
+        if layer_type == "attention":
+            num_tokens = state["keys"].shape[1]
+            need = -(-num_tokens // block_size)
+            if len(pages) < need:
+                raise ValueError(f"pages: {num_tokens} tokens need {need} pages of {block_size}, got {len(pages)}")
+            used = jnp.asarray(np.asarray(pages[:need], np.int32))
+            written = []
+            for pool, array in zip(pools, (state["keys"], state["values"])):
+                tokens = np.swapaxes(np.asarray(array), 0, 1)  # [T, Hkv, D]
+                padded = np.zeros((need * block_size, *tokens.shape[1:]), tokens.dtype)
+                padded[:num_tokens] = tokens
+                written.append(pool.at[used].set(jnp.asarray(padded.reshape(need, block_size, *tokens.shape[1:]),
+                                                             pool.dtype)))
+            new.append(tuple(written))
+        else:
+            conv, recurrent = np.asarray(state["conv"]), np.asarray(state["recurrent"])
+            width = pools[0].shape[-1]
+            if conv.shape[-1] < width:
+                raise ValueError(f"layers: layer {i}'s conv state holds {conv.shape[-1]} columns, needs {width}")
+            new.append((pools[0].at[slot].set(jnp.asarray(conv[:, -width:], pools[0].dtype)),
+                        pools[1].at[slot].set(jnp.asarray(recurrent, pools[1].dtype))))
+    return Caches(tuple(new), caches.layer_types)
+
+
+def hf_dynamic_cache(hf_config, layers: Sequence[Mapping[str, np.ndarray]]):
+    """A transformers `DynamicCache` (batch 1) holding `export_state`'s layers, for transformers' own model to resume
+    from. Imports torch and transformers."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf_config)
+    for i, state in enumerate(layers):
+        layer = cache.layers[i]
+        if "keys" in state:
+            layer.update(torch.from_numpy(np.array(state["keys"]))[None],
+                         torch.from_numpy(np.array(state["values"]))[None])
+        else:
+            layer.update_conv_state(torch.from_numpy(np.array(state["conv"]))[None])
+            layer.update_recurrent_state(torch.from_numpy(np.array(state["recurrent"]))[None])
+    return cache
+
+
+def from_hf_cache(cache, *, batch_index: int = 0) -> list[dict]:
+    """One row of a transformers cache as `import_state`'s layers (numpy, fp32 states)."""
+    layers = []
+    for layer in cache.layers:
+        if getattr(layer, "conv_states", None) and layer.conv_states.get(0) is not None:
+            layers.append({"conv": layer.conv_states[0][batch_index].float().numpy(),
+                           "recurrent": layer.recurrent_states[0][batch_index].float().numpy()})
+        else:
+            layers.append({"keys": layer.keys[batch_index].float().numpy(),
+                           "values": layer.values[batch_index].float().numpy()})
+    return layers
+
+
+@functools.partial(jax.jit, static_argnames=("all_tokens",), donate_argnames=("caches",))
+def _forward(graphdef, state, tokens, meta, caches, all_tokens):
+    return nnx.merge(graphdef, state)(tokens, meta, caches, all_tokens=all_tokens)
+
+
+def forward(graphdef, state, tokens, meta, caches, *, all_tokens: bool = False):
+    """Jitted step of a published-architecture model (`graphdef, state = nnx.split(model)`), caches donated:
+    (logits fp32 [N, vocab] of each row's last token, or [T, vocab] of every token with `all_tokens`, caches).
+    Concrete metadata is checked against the caches first, as `jaxckpt.models.hybrid.forward` does."""
+    validate_step(tokens, meta, num_state_slots=caches.num_state_slots, num_kv_pages=caches.num_kv_pages)
+    return _forward(graphdef, state, tokens, meta, caches, all_tokens)
