@@ -87,7 +87,7 @@ def paged_slots(rng, batch: Batch):
 def test_paged_nan_pool(op, implementation):
     bucket = BUCKETS[op]
 
-    @settings(max_examples=25 if implementation == "xla" else 10, deadline=None, database=None,
+    @settings(max_examples=12 if implementation == "xla" else 6, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     @given(lengths=lengths_st, seed=st.integers(0, 2 ** 32 - 1))
     def check(lengths, seed):
@@ -111,7 +111,7 @@ def test_paged_nan_pool(op, implementation):
 def test_split_matches_float64(op):
     bucket = BUCKETS[op]
 
-    @settings(max_examples=3, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=2, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
     @given(lengths=lengths_st, seed=st.integers(0, 2 ** 32 - 1))
     def check(lengths, seed):
         batch = random_batch(np.random.default_rng(seed), bucket, lengths=lengths)

@@ -4,12 +4,14 @@ final state and checkpoint states come out bit for bit as before, on every imple
 Also: under traced metadata a slot outside the pool (e.g. vLLM's -1) reads as a fresh state and writes nothing.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.ops.fuzz_cases import Bucket, call, call_paged, random_batch
+from tests.ops.fuzz_cases import Batch, Bucket, call, call_paged, random_batch
 
 POISONS = (np.nan, np.inf, -np.inf, 3e38)
 BUCKETS = {
@@ -31,18 +33,34 @@ CASES = ([(op, "reference", "in_chunk") for op in BUCKETS]
          + [("gdn", "pallas_triton", "split")]
          + [(op, impl, "in_chunk") for op in ("gdn", "kda", "ssd") for impl in ("pallas_triton", "pallas_mosaic_gpu")]
          + [(op, "sequence_parallel", "in_chunk") for op in ("gdn", "kda")])
-# the interpreted kernels take a subset of the poisons (each call runs the kernels in Python); tests/gpu/test_fuzz_gpu.py
-# poisons the compiled ones on the GPU
+# the interpreted kernels and the split method's eager launches take a subset of the poisons; tests/gpu/test_fuzz_gpu.py
+# poisons the compiled kernels on the GPU
 INTERPRETED_POISONS = (np.nan, np.inf)
 
 
-def _run(batch, implementation, method, **changes):
+@functools.cache
+def _compiled(bucket, method):
+    """The XLA path with traced metadata: one compile serves every poisoned call (eager calls dispatch op by op)."""
+    def run(arrays, params, initial_state, cu_seqlens, checkpoint_cu, checkpoint_offsets):
+        batch = Batch(bucket, arrays, params, initial_state, None, cu_seqlens, checkpoint_cu, checkpoint_offsets)
+        return call(batch, "xla", **({} if bucket.op == "conv1d" else dict(checkpoint_method=method)))
+    return jax.jit(run)
+
+
+def _run(batch, implementation, method, *, arrays=None, initial_state=None):
+    arrays = batch.arrays if arrays is None else arrays
+    initial_state = batch.initial_state if initial_state is None else initial_state
+    if implementation == "xla" and method != "split":
+        out = _compiled(batch.bucket, method)(arrays, batch.params, initial_state, batch.cu_seqlens,
+                                              batch.checkpoint_cu, batch.checkpoint_offsets)
+        return [np.asarray(x, np.float32) for x in out]
     options = {}
     if batch.bucket.op != "conv1d":
         options["checkpoint_method"] = method
     if implementation.startswith("pallas"):
         options["kernel_options"] = {"interpret": True}
-    return [np.asarray(x, np.float32) for x in call(batch, implementation, **changes, **options)]
+    return [np.asarray(x, np.float32) for x in call(batch, implementation, arrays=arrays,
+                                                    initial_state=initial_state, **options)]
 
 
 def _same(a, b):
@@ -64,7 +82,7 @@ def test_poisoned_row_and_padding_leave_the_others_bitwise(op, implementation, m
     batch.checkpoint_offsets = np.array([30, 65, 50, 99], np.int32)
     base = _run(batch, implementation, method)
     cu, ccu = batch.cu_seqlens, batch.checkpoint_cu
-    interpreted = implementation.startswith("pallas")
+    interpreted = implementation.startswith("pallas") or method == "split" or implementation == "sequence_parallel"
     poisons = INTERPRETED_POISONS if interpreted else POISONS
     for poisoned in (0,) if interpreted else (0, 2):
         others = [r for r in range(bucket.rows) if r != poisoned]
