@@ -8,6 +8,10 @@ against jax 0.11.2."""
 
 from __future__ import annotations
 
+# Pallas defines one config flag lazily, the first time it lowers a kernel (the fuser's, imported by einshape); the
+# new flag changes jit's tracing context, so a process's first jitted call would compile twice. Importing it here
+# defines it before anything is traced.
+import jax.experimental.pallas.fuser  # noqa: F401
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl

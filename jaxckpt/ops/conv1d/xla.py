@@ -8,6 +8,8 @@ differentiable with `jax.grad`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -22,6 +24,7 @@ def checkpoint_rows(checkpoint_cu, num_checkpoints: int, num_rows: int):
     return jnp.clip(rows, 0, num_rows - 1), ids < checkpoint_cu[-1]
 
 
+@functools.partial(jax.jit, static_argnames=("activation",))
 def causal_conv1d(x, weight, bias=None, *, activation="silu", initial_state=None, cu_seqlens=None,
                   checkpoint_cu=None, checkpoint_offsets=None):
     """Causal depthwise conv of packed rows with final and checkpoint states, vectorised over tokens.

@@ -15,9 +15,23 @@ REGISTRY = MappingProxyType({
 })
 
 
+def _dt_limit(dt_limit):
+    """(lo, hi) as Python floats: the kernels are compiled for the clamp (a static argument)."""
+    if dt_limit is None:
+        return None
+    try:
+        lo, hi = (float(v) for v in dt_limit)
+    except (TypeError, ValueError):
+        raise ValueError(f"dt_limit: expected None or two numbers (lo, hi), got {dt_limit!r}") from None
+    if not lo <= hi:
+        raise ValueError(f"dt_limit: lo must not exceed hi, got {(lo, hi)}")
+    return lo, hi
+
+
 def _prepare(x, dt, A, B, C, D, dt_bias, z, dt_limit, cu_seqlens, state_layout, chunk_size, implementation,
              checkpoint_method, num_decodes, kernel_options):
     (x, dt, B, C, z), cu_seqlens, batch = flatten_batch([x, dt, B, C, z], cu_seqlens, packed_ndim=3, name="x")
+    dt_limit = _dt_limit(dt_limit)
     arrays = dict(x=x, dt=dt, B=B, C=C) | ({} if z is None else dict(z=z))
     options = dict(A=A, D=D, dt_bias=dt_bias, dt_limit=dt_limit, state_layout=state_layout)
     num_heads, head_p = x.shape[1:]

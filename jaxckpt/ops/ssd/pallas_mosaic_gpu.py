@@ -504,6 +504,7 @@ def _piece_starts(lanes, acs, ends, init, num_rows, pieces):
     return jnp.stack(starts, axis=1).reshape(num_rows * pieces, *ends.shape[2:])
 
 
+@functools.partial(jax.jit, static_argnames=("dt_limit", "state_layout", "chunk_size", "interpret", "pieces", "stages"))
 def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_state=None, cu_seqlens=None,
         checkpoint_cu=None, checkpoint_offsets=None, state_layout="vk", chunk_size=64, interpret=False,
         pieces="auto", stages=None):

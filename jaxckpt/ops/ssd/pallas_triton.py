@@ -166,6 +166,7 @@ def _output_kernel(*refs, chunk, reps, has_D, has_z, dots):
                   mask=row_mask(rows, length, (chunk, head_dim)))
 
 
+@functools.partial(jax.jit, static_argnames=("dt_limit", "state_layout", "chunk_size", "interpret", "num_warps", "num_stages", "state_block_p"))
 def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_state=None, cu_seqlens=None,
         checkpoint_cu=None, checkpoint_offsets=None, state_layout="vk", chunk_size=64, interpret=False,
         num_warps=4, num_stages=2, state_block_p=16):

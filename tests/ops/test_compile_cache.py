@@ -1,0 +1,61 @@
+"""Every implementation behind the public entries runs as one jitted function, so a second call with new values of
+the same shapes compiles nothing. (An implementation dispatched op by op compiles its Pallas kernels on every call:
+seconds per call on a GPU.)"""
+
+import importlib
+
+import jax
+import numpy as np
+import pytest
+
+from jaxckpt.ops.conv1d.api import REGISTRY as CONV1D
+from jaxckpt.ops.gdn.api import REGISTRY as GDN
+from jaxckpt.ops.kda.api import REGISTRY as KDA
+from jaxckpt.ops.ssd.api import REGISTRY as SSD
+from tests.ops.fuzz_cases import Bucket, call, random_batch
+
+_compiles = []  # names of the functions compiled, in order
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, fun_name=None, **_: _compiles.append(fun_name)
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+
+BUCKETS = {
+    "gdn": Bucket("gdn", tokens=64, rows=3, checkpoints=4, heads=2, v_heads=4, key=16, value=16),
+    "kda": Bucket("kda", tokens=64, rows=3, checkpoints=4, heads=2, v_heads=2, key=16, value=16),
+    "ssd": Bucket("ssd", tokens=64, rows=3, checkpoints=4, heads=2, v_heads=1, key=16, value=32),
+    "conv1d": Bucket("conv1d", tokens=64, rows=3, checkpoints=4, heads=8, key=4),
+}
+IMPLEMENTATIONS = [(op, name, path) for op, registry in [("gdn", GDN), ("kda", KDA), ("ssd", SSD), ("conv1d", CONV1D)]
+                   for name, path in registry.items() if name not in ("reference", "sequence_parallel")]
+
+
+@pytest.mark.parametrize("op,name,path", IMPLEMENTATIONS, ids=[f"{op}-{name}" for op, name, _ in IMPLEMENTATIONS])
+def test_every_implementation_is_jitted(op, name, path):
+    module, function = path.split(":")
+    assert callable(getattr(getattr(importlib.import_module(module), function), "lower", None)), path
+
+
+def _compiles_of_second_call(op, implementation, **options):
+    rng = np.random.default_rng()
+    first, second = random_batch(rng, BUCKETS[op]), random_batch(rng, BUCKETS[op])
+    jax.block_until_ready(call(first, implementation, **options))
+    before = len(_compiles)
+    jax.block_until_ready(call(second, implementation, **options))
+    # eager host-to-device copies compile a small `stage` program once per shape
+    return [name for name in _compiles[before:] if name != "stage"]
+
+
+@pytest.mark.parametrize("op", sorted(BUCKETS))
+def test_xla_second_call_compiles_nothing(op):
+    assert _compiles_of_second_call(op, "xla") == []
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_sequence_parallel_second_call_compiles_nothing(op):
+    # it picks its pieces from the shapes on the host, then runs one jitted function
+    assert _compiles_of_second_call(op, "sequence_parallel") == []
+
+
+@pytest.mark.interpret
+def test_pallas_triton_second_call_compiles_nothing():
+    assert _compiles_of_second_call("ssd", "pallas_triton", kernel_options={"interpret": True}) == []
