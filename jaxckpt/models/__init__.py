@@ -3,9 +3,10 @@ Face folders (`Qwen3NextForCausalLM`, `KimiLinearForCausalLM`, `GraniteMoeHybrid
 See README.md beside this file."""
 
 from jaxckpt.models.common import export_state, import_state
+from jaxckpt.models.granitemoehybrid import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 from jaxckpt.models.hybrid import LAYER_TYPES, Caches, HybridConfig, HybridModel, forward
 from jaxckpt.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
 from jaxckpt.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
-__all__ = ["Caches", "HybridConfig", "HybridModel", "KimiLinearConfig", "KimiLinearForCausalLM", "LAYER_TYPES",
+__all__ = ["Caches", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", "HybridConfig", "HybridModel", "KimiLinearConfig", "KimiLinearForCausalLM", "LAYER_TYPES",
            "Qwen3NextConfig", "Qwen3NextForCausalLM", "export_state", "forward", "import_state"]
