@@ -136,12 +136,15 @@ class Experts(nnx.Module):
                                     * d_ff ** -0.5).astype(dtype))
 
     def __call__(self, x, weights, indices):
-        """x [T, d_model]; weights [T, k] routing weights, indices i32[T, k] experts -> [T, d_model]."""
+        """x [T, d_model]; weights [T, k] routing weights, indices i32[T, k] experts -> [T, d_model]. Pairs whose
+        expert lies outside [0, E) add nothing (under expert sharding they are other shards' experts)."""
         num_tokens, top_k = indices.shape
         flat = indices.reshape(-1)                                    # [T * k]
+        mine = (flat >= 0) & (flat < self.num_experts)
+        flat = jnp.where(mine, flat, self.num_experts)
         order = jnp.argsort(flat, stable=True)                        # pairs grouped by expert, tokens ascending
         token_of = order // top_k
-        sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)  # i32[E]
+        sizes = jnp.bincount(flat, length=self.num_experts + 1)[:-1].astype(jnp.int32)  # i32[E]
         precision = _HIGHEST if x.dtype == jnp.float32 else None
         gate_up = jax.lax.ragged_dot(x[token_of], self.gate_up_proj[...], sizes, precision=precision,
                                      preferred_element_type=jnp.float32).astype(x.dtype)  # [T * k, 2I]
@@ -149,7 +152,8 @@ class Experts(nnx.Module):
         hidden = jax.nn.silu(gate) * up
         out = jax.lax.ragged_dot(hidden, self.down_proj[...], sizes, precision=precision,
                                  preferred_element_type=jnp.float32).astype(x.dtype)  # [T * k, d_model]
-        out = out * weights.reshape(-1)[order][:, None].astype(x.dtype)
+        # the dropped pairs sort last, past every group: ragged_dot leaves their rows unspecified
+        out = jnp.where(mine[order][:, None], out * weights.reshape(-1)[order][:, None].astype(x.dtype), 0)
         # pairs are in expert order, so each token sums its experts in ascending expert order (as transformers does)
         return jnp.zeros_like(x).at[token_of].add(out)
 

@@ -32,7 +32,8 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 _HF_LAYER_TYPES = {"linear_attention": "kda", "full_attention": "attention"}
 # config.json names transformers writes (its attribute_map) -> the config attributes
 _ALIASES = {"num_experts": "num_local_experts", "num_experts_per_token": "num_experts_per_tok",
-            "num_expert_group": "n_group", "num_shared_experts": "n_shared_experts", "moe_renormalize": "norm_topk_prob"}
+            "num_expert_group": "n_group", "num_shared_experts": "n_shared_experts",
+            "moe_renormalize": "norm_topk_prob"}
 # transformers' in-memory names -> ours (the files'): forget gate un-nested, MoE blocks under `mlp`
 _RENAMES = ((r"\.block_sparse_moe\.", ".mlp."), (r"\.self_attn\.forget_gate\.", ".self_attn."))
 _LATENT_NORM_EPS = 1e-6  # transformers builds kv_a_layernorm / q_a_layernorm with its RMSNorm's default eps
