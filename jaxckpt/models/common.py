@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import struct
 from collections.abc import Mapping, Sequence
 
@@ -20,7 +21,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxckpt.layers import Linear, validate_step
+from jaxckpt.layers import Linear, StepMetadata, load_params, validate_step
+from jaxckpt.plan.rules import model_checkpoint_alignment
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -134,12 +136,15 @@ class Experts(nnx.Module):
                                     * d_ff ** -0.5).astype(dtype))
 
     def __call__(self, x, weights, indices):
-        """x [T, d_model]; weights [T, k] routing weights, indices i32[T, k] experts -> [T, d_model]."""
+        """x [T, d_model]; weights [T, k] routing weights, indices i32[T, k] experts -> [T, d_model]. Pairs whose
+        expert lies outside [0, E) add nothing (under expert sharding they are other shards' experts)."""
         num_tokens, top_k = indices.shape
         flat = indices.reshape(-1)                                    # [T * k]
+        mine = (flat >= 0) & (flat < self.num_experts)
+        flat = jnp.where(mine, flat, self.num_experts)
         order = jnp.argsort(flat, stable=True)                        # pairs grouped by expert, tokens ascending
         token_of = order // top_k
-        sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)  # i32[E]
+        sizes = jnp.bincount(flat, length=self.num_experts + 1)[:-1].astype(jnp.int32)  # i32[E]
         precision = _HIGHEST if x.dtype == jnp.float32 else None
         gate_up = jax.lax.ragged_dot(x[token_of], self.gate_up_proj[...], sizes, precision=precision,
                                      preferred_element_type=jnp.float32).astype(x.dtype)  # [T * k, 2I]
@@ -147,36 +152,62 @@ class Experts(nnx.Module):
         hidden = jax.nn.silu(gate) * up
         out = jax.lax.ragged_dot(hidden, self.down_proj[...], sizes, precision=precision,
                                  preferred_element_type=jnp.float32).astype(x.dtype)  # [T * k, d_model]
-        out = out * weights.reshape(-1)[order][:, None].astype(x.dtype)
+        # the dropped pairs sort last, past every group: ragged_dot leaves their rows unspecified
+        out = jnp.where(mine[order][:, None], out * weights.reshape(-1)[order][:, None].astype(x.dtype), 0)
         # pairs are in expert order, so each token sums its experts in ascending expert order (as transformers does)
         return jnp.zeros_like(x).at[token_of].add(out)
 
 
-def stack_experts(params: dict[str, np.ndarray], prefix: str, num_experts: int) -> None:
-    """Rewrites `{prefix}.experts.*` of a checkpoint in place into `Experts`' gate_up_proj / down_proj."""
+def stack_experts(params: dict[str, np.ndarray], prefix: str, num_experts: int, *,
+                  names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+    """Rewrites `{prefix}.experts.*` of a checkpoint in place into `Experts`' gate_up_proj / down_proj.
+
+    Reads the experts one by one (`{prefix}.experts.{e}.{gate}.weight` [I, d_model], `{up}`, `{down}` [d_model, I],
+    `names` = (gate, up, down): Mixtral-style files say ("w1", "w3", "w2")) or fused in transformers' memory layout
+    (`{prefix}.experts.gate_up_proj` [E, 2I, d_model], `{prefix}.experts.down_proj` [E, d_model, I])."""
     fused = f"{prefix}.experts.gate_up_proj"
     if fused in params:
         gate_up = np.asarray(params.pop(fused))        # [E, 2I, d_model]
         down = np.asarray(params.pop(f"{prefix}.experts.down_proj"))  # [E, d_model, I]
     else:
-        names = [(f"{prefix}.experts.{e}.gate_proj.weight", f"{prefix}.experts.{e}.up_proj.weight",
-                  f"{prefix}.experts.{e}.down_proj.weight") for e in range(num_experts)]
-        missing = [n for group in names for n in group if n not in params]
+        gate, up, down_name = names
+        per_expert = [tuple(f"{prefix}.experts.{e}.{n}.weight" for n in (gate, up, down_name))
+                      for e in range(num_experts)]
+        missing = [n for group in per_expert for n in group if n not in params]
         if missing:
             raise ValueError(f"params: missing expert weights, e.g. {missing[:3]}")
-        gate_up = np.stack([np.concatenate([params.pop(g), params.pop(u)]) for g, u, _ in names])
-        down = np.stack([params.pop(d) for _, _, d in names])
+        gate_up = np.stack([np.concatenate([params.pop(g), params.pop(u)]) for g, u, _ in per_expert])
+        down = np.stack([params.pop(d) for _, _, d in per_expert])
     if gate_up.shape[0] != num_experts:
         raise ValueError(f"params: {prefix}.experts holds {gate_up.shape[0]} experts, the config {num_experts}")
     params[f"{prefix}.experts.gate_up_proj"] = np.swapaxes(gate_up, 1, 2)
     params[f"{prefix}.experts.down_proj"] = np.swapaxes(down, 1, 2)
 
 
+def rename_params(params: Mapping[str, np.ndarray], renames: Sequence[tuple[str, str]]) -> dict[str, np.ndarray]:
+    """{name: array} with each (pattern, replacement) regex substitution applied to every name, in order."""
+    out = {}
+    for name, array in params.items():
+        for pattern, replacement in renames:
+            name = re.sub(pattern, replacement, name)
+        if name in out:
+            raise ValueError(f"params: two tensors map to {name!r}")
+        out[name] = array
+    return out
+
+
+def build_model(cls, config, params: Mapping[str, np.ndarray]):
+    """`cls(config)` built abstract (`nnx.eval_shape`), each parameter allocated once from `params` (strict)."""
+    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+    load_params(model, params)
+    return model
+
+
 def init_caches(mixers: Sequence[nnx.Module], layer_types: tuple[str, ...], num_kv_pages: int,
                 num_state_slots: int, *, kv_dtype, fill: float = 0.0):
-    """`jaxckpt.models.hybrid.Caches` for a stack of mixers: attention layers (`page_shapes`) get KV pages
-    [num_kv_pages, *page] in `kv_dtype`, recurrent layers (`state_shapes`) fp32 pools [num_state_slots, *shape].
-    Page 0 and slot 0 are null; `fill=nan` poisons them for tests."""
+    """`jaxckpt.models.hybrid.Caches` for a stack of mixers: attention layers get KV pages [num_kv_pages, *page] in
+    `kv_dtype` (`page_shapes`, one per pool, or one `page_shape` for both K and V), recurrent layers (`state_shapes`)
+    fp32 pools [num_state_slots, *shape]. Page 0 and slot 0 are null; `fill=nan` poisons them for tests."""
     from jaxckpt.models.hybrid import Caches
 
     if num_kv_pages < 2:
@@ -188,11 +219,94 @@ def init_caches(mixers: Sequence[nnx.Module], layer_types: tuple[str, ...], num_
     layers = []
     for mixer, layer_type in zip(mixers, layer_types):
         if layer_type == "attention":
-            layers.append(tuple(jnp.full((num_kv_pages, *shape), fill, kv_dtype) for shape in mixer.page_shapes))
+            shapes = getattr(mixer, "page_shapes", None) or (mixer.page_shape,) * 2
+            layers.append(tuple(jnp.full((num_kv_pages, *shape), fill, kv_dtype) for shape in shapes))
         else:
             layers.append(tuple(jnp.full((num_state_slots, *shape), fill, jnp.float32)
                                 for shape in mixer.state_shapes))
     return Caches(tuple(layers), layer_types)
+
+
+def whole(y):
+    """The `reduce` of one device: a block's partial sums are already the whole sum (`jaxckpt.models.sharded` passes
+    a psum over the mesh axis instead)."""
+    return y
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block of the published models: x + r * mixer(input_layernorm(x)), then
+    x + r * feed_forward(post_attention_layernorm(x)), r = `residual_multiplier` (1 but in Granite). Subclasses set
+    the two norms, a `mixer` property and `mlp` (or override `feed_forward`)."""
+
+    residual_multiplier: float = 1.0
+
+    def feed_forward(self, x):  # [T, d_model]
+        return self.mlp(x)
+
+    def __call__(self, x, meta: StepMetadata, pools, *, reduce=whole):
+        """`reduce` sums the per-shard partial outputs of the mixer and the MLP under sharding."""
+        mixed, pools = self.mixer(self.input_layernorm(x), meta, pools)
+        x = x + reduce(mixed) * self.residual_multiplier
+        return x + reduce(self.feed_forward(self.post_attention_layernorm(x))) * self.residual_multiplier, pools
+
+    def reference(self, x, *, implementation):
+        x = x + self.mixer.reference(self.input_layernorm(x), implementation=implementation) * self.residual_multiplier
+        return x + self.feed_forward(self.post_attention_layernorm(x)) * self.residual_multiplier
+
+
+class CausalLM(nnx.Module):
+    """What the published LMs share over paged caches, called as `HybridModel` is (so `hybrid.forward`,
+    `HybridRunner` and the engine run them): `model(tokens, meta, caches) -> (logits fp32 [N, vocab] of each row's
+    last token, caches)`; `all_tokens=True` gives every token's logits [T, vocab].
+
+    Subclasses set `config` (with `kinds`, `dtype`, `tie_word_embeddings`), `model` (`embed_tokens`, `layers` of
+    `DecoderLayer`s, `norm`) and `lm_head` unless tied; Granite overrides `embed` and `logits` for its multipliers.
+    """
+
+    @property
+    def mixers(self) -> list[nnx.Module]:
+        return [layer.mixer for layer in self.model.layers]
+
+    def checkpoint_alignment(self) -> int | None:
+        """Token alignment every recurrent layer's checkpoints need (1: any offset), by `jaxckpt.plan`'s rule."""
+        return model_checkpoint_alignment(m.get_prefill_checkpoint_alignment() for m, kind in
+                                          zip(self.mixers, self.config.kinds) if kind != "attention")
+
+    def init_caches(self, num_kv_pages: int, num_state_slots: int, *, fill: float = 0.0):
+        """KV pages [num_kv_pages, *page] in the model dtype, fp32 recurrent pools; page 0 / slot 0 null."""
+        return init_caches(self.mixers, self.config.kinds, num_kv_pages, num_state_slots,
+                           kv_dtype=jnp.dtype(self.config.dtype), fill=fill)
+
+    def embed(self, tokens):  # i32[T] -> [T, d_model]
+        return self.model.embed_tokens(tokens)
+
+    def logits(self, hidden):  # [..., d_model] after the final norm -> fp32 [..., vocab]
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("...d,vd->...v", hidden, self.model.embed_tokens.weight[...], precision=_HIGHEST,
+                              preferred_element_type=jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def __call__(self, tokens, meta: StepMetadata, caches, *, all_tokens: bool = False, reduce=whole):
+        """tokens i32[T] packed as meta.cu_seqlens -> (logits, caches); pure (donate the caches through
+        `forward`). Rows and tokens past the real batch give garbage. `reduce`: see `DecoderLayer`."""
+        from jaxckpt.models.hybrid import Caches
+
+        x = self.embed(tokens)
+        layers = []
+        for layer, pools in zip(self.model.layers, caches.layers):
+            x, pools = layer(x, meta, pools, reduce=reduce)
+            layers.append(pools)
+        if not all_tokens:
+            x = x[jnp.maximum(meta.cu_seqlens[1:] - 1, 0)]
+        return self.logits(self.model.norm(x)), Caches(tuple(layers), caches.layer_types)
+
+    def reference_logits(self, tokens, *, implementation: str | None = "reference"):
+        """Per-token logits fp32 [T, vocab] of one prompt from a fresh state, no caches (float64 recurrent ops by
+        default): the oracle of the paged path."""
+        x = self.embed(jnp.asarray(tokens, jnp.int32))
+        for layer in self.model.layers:
+            x = layer.reference(x, implementation=implementation)
+        return self.logits(self.model.norm(x))
 
 
 def export_state(caches, *, slot: int, pages: Sequence[int], num_tokens: int, block_size: int) -> list[dict]:

@@ -18,6 +18,8 @@ from flax import nnx
 
 from jaxckpt.layers import (Attention, GatedDeltaNet, KimiDeltaAttention, Linear, Mamba2Mixer, RMSNorm, StepMetadata,
                             validate_step)
+from jaxckpt.models.common import DecoderLayer, whole
+from jaxckpt.models.common import SwiGLUMLP as SwiGLU
 from jaxckpt.plan.rules import model_checkpoint_alignment
 
 LAYER_TYPES = ("attention", "gdn", "mamba2", "kda")
@@ -143,18 +145,6 @@ class Embedding(nnx.Module):
         return self.weight[...][tokens]
 
 
-class SwiGLU(nnx.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x))."""
-
-    def __init__(self, d_model: int, d_ff: int, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = Linear(d_model, d_ff, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(d_model, d_ff, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(d_ff, d_model, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 def _mixer(config: HybridConfig, layer_type: str, *, dtype, rngs: nnx.Rngs):
     c = config
     common = dict(chunk_size=c.chunk_size, dtype=dtype, implementation=c.implementation, rngs=rngs)
@@ -172,12 +162,8 @@ def _mixer(config: HybridConfig, layer_type: str, *, dtype, rngs: nnx.Rngs):
                               **common)
 
 
-def _whole(y):  # a block's partial sums on one device: already the whole sum
-    return y
-
-
-class Block(nnx.Module):
-    """x + mixer(norm(x)), then x + mlp(norm(x))."""
+class Block(DecoderLayer):
+    """x + mixer(norm(x)), then x + mlp(norm(x)) (`common.DecoderLayer`)."""
 
     def __init__(self, config: HybridConfig, layer_type: str, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(config.dtype)
@@ -185,17 +171,6 @@ class Block(nnx.Module):
         self.mixer = _mixer(config, layer_type, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.d_model, eps=config.rms_norm_eps, dtype=dtype)
         self.mlp = SwiGLU(config.d_model, config.d_ff, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x, meta: StepMetadata, pools, *, reduce=_whole):
-        """`reduce` sums the per-shard partial outputs of the mixer and the MLP under head sharding (a psum); on one
-        device they are whole already."""
-        mixed, pools = self.mixer(self.input_layernorm(x), meta, pools)
-        x = x + reduce(mixed)
-        return x + reduce(self.mlp(self.post_attention_layernorm(x))), pools
-
-    def reference(self, x, *, implementation):
-        x = x + self.mixer.reference(self.input_layernorm(x), implementation=implementation)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class HybridModel(nnx.Module):
@@ -220,24 +195,12 @@ class HybridModel(nnx.Module):
 
         Page 0 and slot 0 are null (never read as real data, never written). `fill=nan` poisons them for tests.
         """
-        if num_kv_pages < 2:
-            raise ValueError(f"num_kv_pages: the KV pool needs at least 2 pages (page 0 is the null page), "
-                             f"got {num_kv_pages}")
-        if num_state_slots < 2:
-            raise ValueError(f"num_state_slots: the state pools need at least 2 slots (slot 0 is the null slot), "
-                             f"got {num_state_slots}")
-        layers = []
-        for block in self.layers:
-            mixer = block.mixer
-            if isinstance(mixer, Attention):
-                pages = jnp.full((num_kv_pages, *mixer.page_shape), fill, jnp.dtype(self.config.dtype))
-                layers.append((pages, pages.copy()))
-            else:
-                layers.append(tuple(jnp.full((num_state_slots, *shape), fill, jnp.float32)
-                                    for shape in mixer.state_shapes))
-        return Caches(tuple(layers), self.config.layer_types)
+        from jaxckpt.models.common import init_caches
 
-    def __call__(self, tokens, meta: StepMetadata, caches: Caches, *, reduce=_whole):
+        return init_caches([block.mixer for block in self.layers], self.config.layer_types, num_kv_pages,
+                           num_state_slots, kv_dtype=jnp.dtype(self.config.dtype), fill=fill)
+
+    def __call__(self, tokens, meta: StepMetadata, caches: Caches, *, reduce=whole):
         """tokens i32[T] packed as meta.cu_seqlens; returns (logits fp32 [N, vocab] of each row's last token, caches).
 
         Pure: caches in, new caches out (donate them through `forward`). Rows past the real batch give garbage.

@@ -18,12 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxckpt.layers import GatedDeltaNet, Linear, StepMetadata, load_params
+from jaxckpt.layers import GatedDeltaNet, Linear, StepMetadata
 from jaxckpt.layers.attention import causal_attention, paged_attention, rope
-from jaxckpt.models.common import (Experts, SwiGLUMLP, ZeroCenteredRMSNorm, config_dtype, init_caches,
-                                   read_config, read_safetensors, stack_experts)
-from jaxckpt.models.hybrid import Caches, Embedding
-from jaxckpt.plan.rules import model_checkpoint_alignment
+from jaxckpt.models.common import (CausalLM, DecoderLayer, Experts, SwiGLUMLP, ZeroCenteredRMSNorm, build_model,
+                                   config_dtype, read_config, read_safetensors, stack_experts)
+from jaxckpt.models.hybrid import Embedding
 
 _HF_LAYER_TYPES = {"linear_attention": "gdn", "full_attention": "attention"}
 
@@ -205,7 +204,7 @@ class Qwen3NextSparseMoeBlock(nnx.Module):
         return routed + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
-class Qwen3NextDecoderLayer(nnx.Module):
+class Qwen3NextDecoderLayer(DecoderLayer):
     """x + mixer(input_layernorm(x)), then x + mlp(post_attention_layernorm(x)); the mixer is `linear_attn` (GDN) or
     `self_attn`."""
 
@@ -231,15 +230,6 @@ class Qwen3NextDecoderLayer(nnx.Module):
     def mixer(self):
         return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
 
-    def __call__(self, x, meta: StepMetadata, pools):
-        mixed, pools = self.mixer(self.input_layernorm(x), meta, pools)
-        x = x + mixed
-        return x + self.mlp(self.post_attention_layernorm(x)), pools
-
-    def reference(self, x, *, implementation):
-        x = x + self.mixer.reference(self.input_layernorm(x), implementation=implementation)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
 
 class Qwen3NextModel(nnx.Module):
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs):
@@ -250,10 +240,8 @@ class Qwen3NextModel(nnx.Module):
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
 
-class Qwen3NextForCausalLM(nnx.Module):
-    """Qwen3-Next LM over paged caches, called as `HybridModel` is (so `hybrid.forward`, `HybridRunner` and the
-    engine run it): `model(tokens, meta, caches) -> (logits fp32 [N, vocab] of each row's last token, caches)`;
-    `all_tokens=True` gives every token's logits [T, vocab]."""
+class Qwen3NextForCausalLM(CausalLM):
+    """Qwen3-Next LM over paged caches (`common.CausalLM`: called as `HybridModel` is)."""
 
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -281,46 +269,4 @@ class Qwen3NextForCausalLM(nnx.Module):
                 stack_experts(params, f"model.layers.{i}.mlp", config.num_experts)
         if config.tie_word_embeddings:
             params.pop("lm_head.weight", None)
-        model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
-        load_params(model, params)
-        return model
-
-    @property
-    def mixers(self) -> list[nnx.Module]:
-        return [layer.mixer for layer in self.model.layers]
-
-    def checkpoint_alignment(self) -> int | None:
-        """Token alignment every recurrent layer's checkpoints need (1: any offset), by `jaxckpt.plan`'s rule."""
-        return model_checkpoint_alignment(m.get_prefill_checkpoint_alignment() for m, kind in
-                                          zip(self.mixers, self.config.kinds) if kind != "attention")
-
-    def init_caches(self, num_kv_pages: int, num_state_slots: int, *, fill: float = 0.0) -> Caches:
-        """KV pages [num_kv_pages, block_size, Hkv, D] in the model dtype, fp32 GDN pools; page 0 / slot 0 null."""
-        return init_caches(self.mixers, self.config.kinds, num_kv_pages, num_state_slots,
-                           kv_dtype=jnp.dtype(self.config.dtype), fill=fill)
-
-    def logits(self, hidden):  # [..., d_model] after the final norm -> fp32 [..., vocab]
-        if self.config.tie_word_embeddings:
-            return jnp.einsum("...d,vd->...v", hidden, self.model.embed_tokens.weight[...],
-                              preferred_element_type=jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
-
-    def __call__(self, tokens, meta: StepMetadata, caches: Caches, *, all_tokens: bool = False):
-        """tokens i32[T] packed as meta.cu_seqlens -> (logits, caches); pure (donate the caches through
-        `jaxckpt.models.forward`). Rows and tokens past the real batch give garbage."""
-        x = self.model.embed_tokens(tokens)
-        layers = []
-        for layer, pools in zip(self.model.layers, caches.layers):
-            x, pools = layer(x, meta, pools)
-            layers.append(pools)
-        if not all_tokens:
-            x = x[jnp.maximum(meta.cu_seqlens[1:] - 1, 0)]
-        return self.logits(self.model.norm(x)), Caches(tuple(layers), caches.layer_types)
-
-    def reference_logits(self, tokens, *, implementation: str | None = "reference"):
-        """Per-token logits fp32 [T, vocab] of one prompt from a fresh state, no caches (float64 recurrent ops by
-        default): the oracle of the paged path."""
-        x = self.model.embed_tokens(jnp.asarray(tokens, jnp.int32))
-        for layer in self.model.layers:
-            x = layer.reference(x, implementation=implementation)
-        return self.logits(self.model.norm(x))
+        return build_model(cls, config, params)

@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxckpt.layers import Attention, GatedDeltaNet, KimiDeltaAttention, Mamba2Mixer, StepMetadata, validate_step
+from jaxckpt.models.common import Experts
 from jaxckpt.models.hybrid import Caches, HybridConfig, HybridModel, SwiGLU
 
 AXIS = "heads"
@@ -299,17 +300,21 @@ class _Pools:
     def __init__(self, mesh: Mesh, axis: str):
         self.mesh, self.axis = mesh, axis
 
+    def spec(self, split) -> P:  # a None split: the pool is replicated
+        return P() if split is None else split.spec(self.axis)
+
     def shard(self, pools, splits):
-        return tuple(jax.device_put(split.to_sharded(pool), NamedSharding(self.mesh, split.spec(self.axis)))
+        return tuple(jax.device_put(pool if split is None else split.to_sharded(pool),
+                                    NamedSharding(self.mesh, self.spec(split)))
                      for pool, split in zip(pools, splits))
 
     @staticmethod
     def unshard(pools, splits):
-        return tuple(split.to_global(pool) for pool, split in zip(pools, splits))
+        return tuple(np.asarray(pool) if split is None else split.to_global(pool) for pool, split in zip(pools, splits))
 
     def filled(self, global_pools, splits, fill: float):
-        return tuple(_filled(split.sharded_shape(pool.shape), fill, pool.dtype,
-                             NamedSharding(self.mesh, split.spec(self.axis)))
+        return tuple(_filled(pool.shape if split is None else split.sharded_shape(pool.shape), fill, pool.dtype,
+                             NamedSharding(self.mesh, self.spec(split)))
                      for pool, split in zip(global_pools, splits))
 
 
@@ -432,5 +437,182 @@ class ShardedHybrid:
         return logits, Caches(layers, caches.layer_types)
 
 
-__all__ = ["AXIS", "GroupSpanningNorm", "LayerLayout", "ShardedHybrid", "ShardedLayer", "Split", "check_config",
-           "head_mesh", "layer_layout", "local_mixer"]
+def _published_mixer_layout(layer, n: int) -> LayerLayout | None:
+    """Layouts of the published models' own attentions (None for the shared layers)."""
+    from jaxckpt.models.kimi_linear import KimiLinearAttention
+    from jaxckpt.models.qwen3_next import Qwen3NextAttention
+
+    if isinstance(layer, Qwen3NextAttention):
+        H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        if layer.o_proj.bias is not None:
+            raise ValueError("attention_bias: the sharded Qwen3-Next attention has no biased projections")
+        _check("num_key_value_heads", Hkv, n)
+        kv = Split(0, _blocks(0, Hkv * D, n))
+        params = {"q_proj.weight": Split(0, _blocks(0, 2 * H * D, n)), "k_proj.weight": kv, "v_proj.weight": kv,
+                  "o_proj.weight": Split(1, _blocks(0, H * D, n))}  # q_proj rows: [query | gate] per head
+        pages = Split(2, _blocks(0, Hkv, n))
+        return LayerLayout(params, (pages, pages))
+    if isinstance(layer, KimiLinearAttention):
+        H = layer.num_heads
+        _check("num_attention_heads", H, n)
+        q = Split(0, _blocks(0, H * (layer.nope_dim + layer.rope_dim), n))
+        # the latent projections and the latent pages serve every head: replicated, each shard writes the same
+        params = {"q_proj.weight": q, "q_b_proj.weight": q,
+                  "kv_b_proj.weight": Split(0, _blocks(0, H * (layer.nope_dim + layer.v_head_dim), n)),
+                  "o_proj.weight": Split(1, _blocks(0, H * layer.v_head_dim, n))}
+        return LayerLayout(params, (None, None))
+    return None
+
+
+def _local_published_mixer(layer, config, n: int, *, axis: str, rngs: nnx.Rngs):
+    """The shard-local module of a published model's mixer: its class over 1 / n of the heads."""
+    from jaxckpt.models.granitemoehybrid import GraniteMoeHybridAttention
+    from jaxckpt.models.kimi_linear import KimiLinearAttention
+    from jaxckpt.models.qwen3_next import Qwen3NextAttention
+
+    dtype = jnp.dtype(config.dtype)
+    if isinstance(layer, Qwen3NextAttention):
+        local = dataclasses.replace(config, num_attention_heads=layer.num_heads // n,
+                                    num_key_value_heads=layer.num_kv_heads // n)
+        return Qwen3NextAttention(local, dtype=dtype, rngs=rngs)
+    if isinstance(layer, KimiLinearAttention):
+        local = dataclasses.replace(config, num_attention_heads=layer.num_heads // n, num_key_value_heads=None)
+        return KimiLinearAttention(local, dtype=dtype, rngs=rngs)
+    if isinstance(layer, GraniteMoeHybridAttention):
+        _check("num_key_value_heads", layer.num_kv_heads, n)
+        return GraniteMoeHybridAttention(
+            config.hidden_size, scale=layer.scale, use_rope=layer.use_rope, num_heads=layer.num_heads // n,
+            num_kv_heads=layer.num_kv_heads // n, head_dim=layer.head_dim, block_size=layer.block_size,
+            rope_theta=layer.rope_theta, query_tile=layer.query_tile, dtype=dtype, rngs=rngs)
+    return local_mixer(layer, n, axis=axis, rngs=rngs)
+
+
+class LocalExperts(Experts):
+    """One shard's E / n experts of an expert-sharded `Experts`: shard s holds experts s E / n .. (s + 1) E / n and
+    adds the routed pairs of those only (the router is replicated, so every shard sees every token's choice)."""
+
+    def __init__(self, num_experts: int, d_model: int, d_ff: int, *, axis: str, dtype, rngs: nnx.Rngs):
+        super().__init__(num_experts, d_model, d_ff, dtype=dtype, rngs=rngs)
+        self.axis = axis
+
+    def __call__(self, x, weights, indices):
+        return super().__call__(x, weights, indices - jax.lax.axis_index(self.axis) * self.num_experts)
+
+
+def _feed_forward_parts(module, prefix: str = ""):
+    """(dotted path, module) of every SwiGLU, Granite shared MLP and Experts inside a layer's feed-forward module."""
+    from jaxckpt.models.granitemoehybrid import GraniteMoeHybridMLP
+
+    if isinstance(module, (SwiGLU, GraniteMoeHybridMLP, Experts)):
+        yield prefix, module
+        return
+    for name, child in vars(module).items():
+        if isinstance(child, nnx.Module):
+            yield from _feed_forward_parts(child, f"{prefix}{name}.")
+
+
+def _feed_forward_layout(module, n: int) -> tuple[dict[str, Split], object]:
+    """({param name: Split}, local module) of one feed-forward part: SwiGLU widths split like the hybrid's MLP,
+    the Granite shared MLP's [gate | up] rows split part by part, experts split whole (expert parallel)."""
+    from jaxckpt.models.granitemoehybrid import GraniteMoeHybridMLP
+
+    if isinstance(module, Experts):
+        E = module.num_experts
+        _check("num_experts", E, n)
+        experts = Split(0, _blocks(0, E, n))
+        return {"gate_up_proj": experts, "down_proj": experts}, E // n
+    if isinstance(module, GraniteMoeHybridMLP):
+        width = module.output_linear.weight.shape[1]
+        _check("shared_intermediate_size", width, n)
+        return ({"input_linear.weight": Split(0, _cat(_blocks(0, width, n), _blocks(width, width, n))),
+                 "output_linear.weight": Split(1, _blocks(0, width, n))}, width // n)
+    width = module.down_proj.weight.shape[1]
+    _check("intermediate_size", width, n)
+    return _mlp_layout(width, n), width // n
+
+
+class ShardedCausalLM:
+    """A published-architecture model (`common.CausalLM`: Qwen3-Next, Kimi-Linear, GraniteMoeHybrid) split over mesh
+    axis `axis`: mixers by head as `ShardedHybrid` does (MLA's latent and its pages replicated), dense and shared
+    MLPs by hidden width, routed experts whole per shard (expert parallel; the router replicated), embeddings, norms
+    and the head replicated. `forward`, `init_caches`, `shard_caches`, `unshard_caches` as `ShardedHybrid`'s."""
+
+    def __init__(self, model, mesh: Mesh, *, axis: str = AXIS):
+        n = _axis_size(mesh, axis)
+        config = model.config
+        self.model, self.mesh, self.axis, self.num_shards = model, mesh, axis, n
+        self.layouts, splits = [], {}
+        mixer_names = []
+        for i, layer in enumerate(model.model.layers):
+            mixer = layer.mixer
+            mixer_names.append(next(k for k, v in vars(layer).items() if v is mixer))
+            layout = _published_mixer_layout(mixer, n) or layer_layout(mixer, n)
+            self.layouts.append(layout)
+            splits |= {f"model.layers.{i}.{mixer_names[i]}.{k}": v for k, v in layout.params.items()}
+            for path, part in _feed_forward_parts(layer):
+                params, _ = _feed_forward_layout(part, n)
+                splits |= {f"model.layers.{i}.{path}{k}": v for k, v in params.items()}
+
+        def build():
+            rngs = nnx.Rngs(0)
+            local = type(model)(config, rngs=rngs)
+            dtype = jnp.dtype(config.dtype)
+            for layer, whole_layer, name in zip(local.model.layers, model.model.layers, mixer_names):
+                setattr(layer, name, _local_published_mixer(whole_layer.mixer, config, n, axis=axis, rngs=rngs))
+                for path, part in list(_feed_forward_parts(whole_layer)):
+                    _, size = _feed_forward_layout(part, n)
+                    if isinstance(part, Experts):
+                        replacement = LocalExperts(size, part.gate_up_proj.shape[1], part.d_ff, axis=axis,
+                                                   dtype=dtype, rngs=rngs)
+                    else:
+                        d_model = (part.down_proj if isinstance(part, SwiGLU) else part.output_linear).weight.shape[0]
+                        replacement = type(part)(d_model, size, dtype=dtype, rngs=rngs)
+                    *parents, leaf = path.rstrip(".").split(".")
+                    owner = layer
+                    for parent in parents:
+                        owner = getattr(owner, parent)
+                    setattr(owner, leaf, replacement)
+            return local
+
+        graphdef, treedef, self.params, specs = _place(model, nnx.eval_shape(build), splits.get, mesh, axis)
+        self._pools = _Pools(mesh, axis)
+        cache_specs = tuple(tuple(map(self._pools.spec, layout.pools)) for layout in self.layouts)
+        layer_types = config.kinds
+        psum = functools.partial(jax.lax.psum, axis_name=axis)
+
+        def body(params, tokens, meta, layers, all_tokens):
+            local = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+            logits, caches = local(tokens, meta, Caches(layers, layer_types), all_tokens=all_tokens, reduce=psum)
+            return logits, caches.layers
+
+        self._forward = {
+            all_tokens: jax.jit(jax.shard_map(functools.partial(body, all_tokens=all_tokens), mesh=mesh,
+                                              in_specs=(specs, P(), P(), cache_specs),
+                                              out_specs=(P(), cache_specs), check_vma=False), donate_argnums=3)
+            for all_tokens in (False, True)}
+
+    def init_caches(self, num_kv_pages: int, num_state_slots: int, *, fill: float = 0.0) -> Caches:
+        """The model's `init_caches` in the sharded layout, placed on the mesh (nothing built on one device)."""
+        shapes = jax.eval_shape(lambda: self.model.init_caches(num_kv_pages, num_state_slots))
+        return Caches(tuple(self._pools.filled(pools, layout.pools, fill)
+                            for pools, layout in zip(shapes.layers, self.layouts)), shapes.layer_types)
+
+    def shard_caches(self, caches: Caches) -> Caches:
+        """Single-device caches -> the sharded layout on the mesh."""
+        return Caches(tuple(self._pools.shard(pools, layout.pools)
+                            for pools, layout in zip(caches.layers, self.layouts)), caches.layer_types)
+
+    def unshard_caches(self, caches: Caches) -> Caches:
+        """Sharded caches -> the single-device layout, as host arrays."""
+        return Caches(tuple(self._pools.unshard(pools, layout.pools)
+                            for pools, layout in zip(caches.layers, self.layouts)), caches.layer_types)
+
+    def forward(self, tokens, meta: StepMetadata, caches: Caches, *, all_tokens: bool = False):
+        """(logits fp32, caches) of one step, as `jaxckpt.models.common.forward`; caches donated."""
+        validate_step(tokens, meta, num_state_slots=caches.num_state_slots, num_kv_pages=caches.num_kv_pages)
+        logits, layers = self._forward[all_tokens](self.params, tokens, meta, caches.layers)
+        return logits, Caches(layers, caches.layer_types)
+
+
+__all__ = ["AXIS", "GroupSpanningNorm", "LayerLayout", "LocalExperts", "ShardedCausalLM", "ShardedHybrid",
+           "ShardedLayer", "Split", "check_config", "head_mesh", "layer_layout", "local_mixer"]

@@ -91,3 +91,149 @@ def hf_modeling(name: str):
             del sys.modules["fla"]
             sys.modules.update(saved)
     return sys.modules[full]
+
+
+# Shared by the published-architecture tests: caches of 24 pages of 8 tokens and 8 slots, one prefill shape of 64
+# tokens (4 rows, 4 checkpoints, 8 blocks) and one decode shape, so each test file compiles two programs per model.
+PAGES, SLOTS, TOKENS, BLOCK = 24, 8, 64, 8
+TOL = 1e-5
+SERVING = dict(implementation="xla", block_size=BLOCK, max_model_len=128, chunk_size=16)
+
+
+def run(model, token_rows, caches, *, all_tokens=False, state=None, **meta_args):
+    """One jitted step of `model` (or of `state` in its graph) over `token_rows` -> (logits, caches)."""
+    from flax import nnx
+
+    from jaxckpt.models.common import forward
+
+    graphdef, own_state = nnx.split(model)
+    decode = meta_args.get("num_decodes", 0) == len(token_rows)
+    tokens, meta = step(model.config, token_rows, num_kv_pages=PAGES, num_state_slots=SLOTS,
+                        num_tokens=len(token_rows) if decode else TOKENS, num_rows=4, num_checkpoints=4,
+                        max_blocks=8, **meta_args)
+    return forward(graphdef, own_state if state is None else state, tokens, meta, caches, all_tokens=all_tokens)
+
+
+def random_rows(seed, lengths, vocab):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def packed_logits(model, rows, state=None):
+    """Every token's logits of `rows` prefilled together from NaN-poisoned caches, split per row."""
+    tables, page = [], 1
+    for row in rows:
+        need = -(-len(row) // BLOCK)
+        tables.append(list(range(page, page + need)))
+        page += need
+    logits, _ = run(model, rows, model.init_caches(PAGES, SLOTS, fill=np.nan), all_tokens=True, state=state,
+                    context_lens=[0] * len(rows), block_tables=tables, initial_state_indices=[0] * len(rows),
+                    final_state_indices=list(range(1, len(rows) + 1)))
+    bounds = np.cumsum([0] + [len(r) for r in rows])
+    return [np.asarray(logits)[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def packed_errors(hf, model, rows, state=None) -> list[float]:
+    """rel-RMS of each row's logits, packed in one step, against transformers run on the row alone."""
+    return [rel_rms(logits, hf_logits(hf, row)) for row, logits in zip(rows, packed_logits(model, rows, state))]
+
+
+def corrupted(model, name, change):
+    """The state of a copy of `model` with parameter `name` changed (same graph and shapes: no recompile)."""
+    from flax import nnx
+
+    from jaxckpt.layers import load_params, param_dict
+
+    copy = nnx.clone(model)
+    load_params(copy, {name: change(param_dict(copy)[name])}, strict=False)
+    return nnx.split(copy)[1]
+
+
+def capture_routing(hf, router_of, tokens):
+    """Inputs and (weights, experts) of every transformers router while it runs `tokens`; `router_of(layer)` is a
+    decoder layer's router module (None for dense layers), whose output ends with (weights, experts)."""
+    captured = []
+    routers = [r for r in map(router_of, hf.model.layers) if r is not None]
+    hooks = [r.register_forward_hook(lambda m, args, out: captured.append((args[0], out[-2], out[-1])))
+             for r in routers]
+    try:
+        hf_logits(hf, tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [(x.detach().reshape(-1, x.shape[-1]).numpy(), w.detach().float().numpy(), i.numpy())
+            for x, w, i in captured]
+
+
+def assert_same_routing(captured, routes):
+    """Per layer the same experts per token (as sets) and their weights to 1e-5; `routes[i](x)` -> (weights,
+    experts) of our i-th MoE block."""
+    assert len(captured) == len(routes) > 0
+    for (inputs, weights, experts), route in zip(captured, routes):
+        ours_weights, ours_experts = (np.asarray(a) for a in route(inputs))
+        np.testing.assert_array_equal(np.sort(ours_experts, axis=-1), np.sort(experts, axis=-1))
+        np.testing.assert_allclose(np.take_along_axis(ours_weights, np.argsort(ours_experts, axis=-1), axis=-1),
+                                   np.take_along_axis(weights, np.argsort(experts, axis=-1), axis=-1),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def check_checkpoint_resume(hf, model, prompt, decode_tokens):
+    """Ours: one prefill of 30 tokens exporting checkpoints at 16 and 24; resume from the 16 one over tokens 16..30,
+    then 3 decode steps. transformers: prefill 16, continue 14 in one call, decode 3, all on its own cache. The two
+    caches at 16 convert into each other, and either side resumes from the other's. Returns the worst rel-RMS."""
+    from jaxckpt.models import export_state, import_state
+    from jaxckpt.models.common import from_hf_cache, hf_dynamic_cache
+
+    worst = 0.0
+
+    def check(what, actual, expected):
+        nonlocal worst
+        err = rel_rms(actual, expected)
+        assert err <= TOL, f"{what}: rel-RMS {err:.2e}"
+        worst = max(worst, err)
+
+    at_16, hf_continued, hf_decoded = hf_cached_run(hf, prompt[:16], prompt[16:], decode_tokens)
+    caches = model.init_caches(PAGES, SLOTS, fill=np.nan)
+    first, caches = run(model, [prompt], caches, all_tokens=True, context_lens=[0], block_tables=[[1, 2, 3, 4]],
+                        initial_state_indices=[0], final_state_indices=[1], checkpoint_cu=[0, 2],
+                        checkpoint_offsets=[16, 24], checkpoint_state_indices=[2, 3])
+    check("prefill", np.asarray(first)[:30], hf_logits(hf, prompt))
+
+    # our checkpoint at 16 in transformers' layout equals transformers' own cache after 16 tokens
+    exported = export_state(caches, slot=2, pages=[1, 2], num_tokens=16, block_size=BLOCK)
+    theirs = from_hf_cache(at_16)
+    for i, (a, b) in enumerate(zip(exported, theirs)):
+        assert a.keys() == b.keys(), (i, a.keys(), b.keys())
+        for key in a:
+            assert a[key].shape == b[key].shape, (i, key, a[key].shape, b[key].shape)
+            columns = slice(1, None) if key == "conv" else slice(None)  # transformers' oldest conv column is unread
+            check(f"layer {i} {key}", a[key][..., columns], b[key][..., columns])
+
+    # resume from our checkpoint (slot 2, pages 1-2 shared), then decode
+    continued, caches = run(model, [prompt[16:]], caches, all_tokens=True, context_lens=[16],
+                            block_tables=[[1, 2, 5, 6]], initial_state_indices=[2], final_state_indices=[4])
+    check("resume", np.asarray(continued)[:14], hf_continued)
+    for n, token in enumerate(decode_tokens):
+        logits, caches = run(model, [[token]], caches, context_lens=[30 + n], block_tables=[[1, 2, 5, 6, 7]],
+                             initial_state_indices=[4], final_state_indices=[4], num_decodes=1)
+        check(f"decode step {n}", np.asarray(logits)[0], hf_decoded[n])
+
+    # transformers resumes from our exported checkpoint ...
+    check("transformers from our checkpoint", hf_logits(hf, prompt[16:], cache=hf_dynamic_cache(hf.config, exported)),
+          hf_continued)
+    # ... and we resume from transformers' cache, written into a fresh slot and fresh pages
+    caches = import_state(model.init_caches(PAGES, SLOTS, fill=np.nan), theirs, slot=5, pages=[8, 9],
+                          block_size=BLOCK)
+    continued, _ = run(model, [prompt[16:]], caches, all_tokens=True, context_lens=[16],
+                       block_tables=[[8, 9, 10, 11]], initial_state_indices=[5], final_state_indices=[6])
+    check("ours from transformers' cache", np.asarray(continued)[:14], hf_continued)
+    return worst
+
+
+def save_sharded(hf, prefix, *, max_shard_size="40KB"):
+    """`save_pretrained` into a fresh temporary folder in several shards; returns the folder."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix=prefix)
+    hf.save_pretrained(folder, max_shard_size=max_shard_size)
+    return folder
