@@ -154,7 +154,14 @@ class HybridRunner:
         padded = np.full(bucket_size(slots.size, minimum=4), slots[0], np.int32)
         padded[:slots.size] = slots
         # the sharded layout keeps the slot axis first: a slot's entries over every shard are checked alike
-        return np.asarray(_slots_finite(self.caches.layers, padded, recurrent=self._recurrent))[:slots.size]
+        check = functools.partial(_slots_finite, self.caches.layers, padded, recurrent=self._recurrent)
+        key = ("states_finite", padded.size, self.num_state_slots)
+        if key not in self.compiled:
+            began = time.perf_counter()
+            jax.block_until_ready(check())
+            self.compiled[key] = time.perf_counter() - began
+            self.compile_seconds += self.compiled[key]
+        return np.asarray(check())[:slots.size]
 
     def reference_logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Per-token logits [T, vocab] of one uncached forward over `tokens` from a fresh state.
