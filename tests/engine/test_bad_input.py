@@ -52,13 +52,14 @@ def test_refused_requests_name_the_argument(runner):
 def test_a_pool_too_small_for_the_batch_makes_requests_wait(runner):
     rng = np.random.default_rng(31)
     shared = _text(rng, 40, runner.vocab_size)
-    prompts = [shared + _text(rng, 50, runner.vocab_size) for _ in range(5)]
-    # 7 usable pages: one request of 90 + 3 tokens takes 6, so only one runs at a time however many are in flight
-    engine, recording = recorded_engine(runner, mode="several", num_kv_pages=8, max_new_tokens=4)
-    results = engine.run(prompts, concurrency=5)
+    prompts = [shared + _text(rng, 150, runner.vocab_size) for _ in range(4)]
+    # 23 usable pages: a request of 190 + 3 tokens takes 13 (less its hit), so one runs at a time however many are
+    # in flight, and each evicts what the one before left behind but the shared prefix it holds
+    engine, recording = recorded_engine(runner, mode="several", max_new_tokens=4)
+    results = engine.run(prompts, concurrency=4)
     check_parity(runner, prompts, results)
     assert max(step.num_rows for step in recording.steps) == 1
-    assert [r.hit_tokens for r in results] == [0] + [32] * 4
+    assert [r.hit_tokens for r in results] == [0] + [32] * 3
     assert engine.cache_stats.evicted_pages > 0
 
 
