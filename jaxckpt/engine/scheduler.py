@@ -204,8 +204,6 @@ class Engine:
             self.checkpoint_policy = ("vllm", 1)
         else:
             self.checkpoint_policy = None
-        # slots one row may take in a step besides the one it holds: its final state and its checkpoints
-        self.slots_per_row = 1 + (self.checkpoint_policy[1] if self.checkpoint_policy else 0)
         self.cache = PrefixCache(block_size=self.block_size, num_kv_pages=config.num_kv_pages,
                                  num_state_slots=config.num_state_slots)
         runner.reset(num_kv_pages=config.num_kv_pages, num_state_slots=config.num_state_slots)
@@ -239,11 +237,20 @@ class Engine:
         if pages > self.config.num_kv_pages - 1:
             raise ValueError(f"num_kv_pages: a request of {len(tokens)} + {new} tokens needs {pages} pages of "
                              f"{self.block_size}; the pool has {self.config.num_kv_pages - 1} usable (page 0 is null)")
-        if 1 + self.slots_per_row > self.config.num_state_slots - 1:
-            raise ValueError(f"num_state_slots: a running request needs {1 + self.slots_per_row} slots in mode "
+        need = 1 + self._row_slots(len(tokens))
+        if need > self.config.num_state_slots - 1:
+            raise ValueError(f"num_state_slots: a request of {len(tokens)} tokens needs {need} slots in mode "
                              f"{self.config.mode!r} (its state, the next one and its checkpoints); the pool has "
                              f"{self.config.num_state_slots - 1} usable (slot 0 is null)")
         return tokens
+
+    def _row_slots(self, prompt_len: int) -> int:
+        """Slots one step of a request may take besides the one it holds: its final state and its checkpoints (at
+        most one per block boundary inside a chunk)."""
+        if self.checkpoint_policy is None:
+            return 1
+        boundaries = _cdiv(min(prompt_len, self.config.max_num_scheduled_tokens), self.block_size)
+        return 1 + min(self.checkpoint_policy[1], boundaries)
 
     def _pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         # every token but the last generated one is written to the KV cache
@@ -288,7 +295,8 @@ class Engine:
         held = sum(r.state_slot != NULL_SLOT for r in self.running) + (hit.state_slot != NULL_SLOT)
         # every running request holds at most one slot between steps; room for one more row's step keeps the
         # engine moving whatever the others hold
-        slots_ok = cache.available_slots >= self.slots_per_row + (len(self.running) + 1 - held)
+        row_slots = max(self._row_slots(r.prompt_len) for r in self.running + [req])
+        slots_ok = cache.available_slots >= row_slots + (len(self.running) + 1 - held)
         if cache.available_pages < pages or not slots_ok:
             cache.release_hit(hit)
             return False

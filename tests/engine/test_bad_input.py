@@ -22,8 +22,8 @@ def test_refused_requests_name_the_argument(runner):
         engine.add_request([1, 2], max_new_tokens=0)
     with pytest.raises(ValueError, match="^num_kv_pages: a request of 100 \\+ 4 tokens needs 7 pages of 16"):
         Engine(runner, EngineConfig(**(ENGINE | dict(num_kv_pages=5)))).add_request([1] * 100)
-    with pytest.raises(ValueError, match="^num_state_slots: a running request needs 11 slots in mode 'several'"):
-        Engine(runner, EngineConfig(**(ENGINE | dict(num_state_slots=8)), mode="several")).add_request([1] * 10)
+    with pytest.raises(ValueError, match="^num_state_slots: a request of 100 tokens needs 9 slots in mode 'several'"):
+        Engine(runner, EngineConfig(**(ENGINE | dict(num_state_slots=8)), mode="several")).add_request([1] * 100)
     with pytest.raises(ValueError, match="^prompt: must hold at least one token"):
         engine.run([[1, 2], []])  # checked before anything runs
     assert not engine.has_unfinished() and not engine.results

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxckpt.layers.attention import choose_attention, paged_attention
+from jaxckpt.layers.attention import paged_attention
 from jaxckpt.layers.metadata import StepMetadata
 from jaxckpt.models import hybrid
 from jaxckpt.models.hybrid import HybridConfig, HybridModel
@@ -65,7 +65,6 @@ def test_flash_matches_plain_on_the_gpu(page, dtype):
     # different points of the online softmax
     assert err <= (1e-5 if dtype == "float32" else 1e-2), err
     assert np.isfinite(np.asarray(fast)).all()
-    assert choose_attention(q, pages[0], None) == "pallas_triton"
 
 
 def test_model_logits_with_either_attention():

@@ -73,7 +73,8 @@ def test_flash_paged_attention_matches_the_plain_one(page, groups, block_q):
 def test_the_choice_and_what_the_kernel_declines():
     q = jnp.zeros((8, 2, 3, 16))
     pages = jnp.zeros((4, 16, 2, 16))
-    assert choose_attention(q, pages, None) == "xla"  # the CPU
+    assert choose_attention(q, pages, None) == "xla"
+    assert choose_attention(q, pages, "pallas_triton") == "pallas_triton"
     assert "powers of two" in attention_pallas_triton.supports(q, pages)
     assert attention_pallas_triton.supports(jnp.zeros((8, 2, 4, 16)), pages) is None
     assert "page size 20" in attention_pallas_triton.supports(jnp.zeros((8, 2, 4, 16)), jnp.zeros((4, 20, 2, 16)))
