@@ -150,11 +150,12 @@ class PrefixCache:
     def block_hashes(self, tokens: Sequence[int]) -> list[bytes]:
         return extend_block_hashes([], tokens, block_size=self.block_size)
 
-    def lookup(self, tokens: Sequence[int], *, hashes: Sequence[bytes] | None = None) -> PrefixHit:
+    def lookup(self, tokens: Sequence[int], *, hashes: Sequence[bytes] | None = None, record: bool = True) -> PrefixHit:
         """Longest cached prefix of `tokens` that ends on a published state; references what it returns.
 
         The prompt's last token is always recomputed (its logits are needed), so the hit stops at or before the last
-        block boundary strictly below the prompt length.
+        block boundary strictly below the prompt length. With `record=False` the lookup is not counted in `stats`
+        (an admission that may be undone: `release_hit`, or `record_lookup` once the request is admitted).
         """
         limit = checkpoint_position(len(tokens), self.block_size) // self.block_size
         if hashes is None:
@@ -178,14 +179,33 @@ class PrefixCache:
             self.pages.ref(page)
         if slot != NULL_SLOT:
             self.slots.ref(slot)
+        hit = PrefixHit(num_blocks * self.block_size, tuple(pages), slot, attention_blocks * self.block_size)
+        if record:
+            self.record_lookup(hit, num_query_tokens=len(tokens))
+        return hit
+
+    def record_lookup(self, hit: PrefixHit, *, num_query_tokens: int):
         stats = self._stats
         stats.lookups += 1
-        stats.query_tokens += len(tokens)
-        stats.hit_tokens += num_blocks * self.block_size
-        stats.hit_blocks += num_blocks
-        stats.hit_requests += num_blocks > 0
-        stats.attention_hit_tokens += attention_blocks * self.block_size
-        return PrefixHit(num_blocks * self.block_size, tuple(pages), slot, attention_blocks * self.block_size)
+        stats.query_tokens += num_query_tokens
+        stats.hit_tokens += hit.num_tokens
+        stats.hit_blocks += hit.num_tokens // self.block_size
+        stats.hit_requests += hit.num_tokens > 0
+        stats.attention_hit_tokens += hit.attention_tokens
+
+    def release_hit(self, hit: PrefixHit):
+        """Drops the references a lookup took (a request that was not admitted after all)."""
+        self.release_pages(hit.pages)
+        self.release_slot(hit.state_slot)
+
+    @property
+    def available_pages(self) -> int:
+        """Pages that can be allocated now: free, or published and unreferenced (evicted on allocation)."""
+        return self.pages.available
+
+    @property
+    def available_slots(self) -> int:
+        return self.slots.available
 
     def ensure(self, *, pages: int = 0, slots: int = 0):
         """Raises ValueError naming the pool when a step's allocations cannot fit even after evicting everything."""

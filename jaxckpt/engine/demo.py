@@ -1,5 +1,6 @@
-"""`jaxckpt demo`: a shared-prefix workload through the align-mode engine in each mode, checked against the uncached
-forward, with a table per mode (and optionally a TTFT plot and the numbers as JSON).
+"""`jaxckpt demo`: a shared-prefix workload through the continuous-batching engine in each mode, a closed loop at
+`--concurrency` requests in flight, checked against the uncached forward, with a table per mode (and optionally a TTFT
+plot and the numbers as JSON).
 
 The workload has three kinds of prompt: families sharing a system prompt, conversations whose turns extend the
 earlier turns, and vLLM #45238's shape (1500 shared / 700 unique tokens with block 528, scaled to the block size) where
@@ -19,7 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxckpt.engine.scheduler import MODES, Engine, EngineConfig, HybridRunner, RequestResult
+from jaxckpt.engine.scheduler import ENGINE_MODES, MODES, Engine, EngineConfig, HybridRunner, RequestResult
 from jaxckpt.models.hybrid import HybridConfig, HybridModel
 from jaxckpt.plan import bucket_size
 
@@ -100,7 +101,10 @@ def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser):
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of %(default)s")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated subset of {','.join(ENGINE_MODES)} (default: %(default)s)")
+    parser.add_argument("--concurrency", type=int, default=2,
+                        help="requests in flight (closed loop) and running at once (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=16,
                         help="cache block / KV page tokens (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=4, help="greedy tokens per prompt (first one included)")
@@ -141,11 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> list[str]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"--modes: {mode!r} is not one of {MODES}")
+        if mode not in ENGINE_MODES:
+            raise ValueError(f"--modes: {mode!r} is not one of {ENGINE_MODES}")
     if not modes:
         raise ValueError("--modes: name at least one mode")
-    for name in ("block_size", "max_new_tokens", "prefill_tokens"):
+    for name in ("block_size", "max_new_tokens", "prefill_tokens", "concurrency"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be positive, got {value}")
@@ -184,20 +188,21 @@ def run(args: argparse.Namespace) -> int:
         config = HybridConfig.tiny_sharded(block_size=block, max_model_len=max_model_len)
         mesh = head_mesh(args.devices)
     model = HybridModel(config, rngs=nnx.Rngs(args.seed))
-    runner = HybridRunner(model, prefill_tokens=prefill_tokens, mesh=mesh)
+    runner = HybridRunner(model, prefill_tokens=prefill_tokens, num_rows=args.concurrency, mesh=mesh)
     max_blocks = config.max_model_len // block
     # room for every prompt's pages and states: the demo measures hits, not eviction
     pages = sum(-(-(len(p.tokens) + args.max_new_tokens) // block) for p in prompts) + 1
     engine_kwargs = dict(num_kv_pages=pages, num_state_slots=2 * len(prompts) + max_blocks + 2,
-                         max_new_tokens=args.max_new_tokens, max_num_scheduled_tokens=prefill_tokens)
+                         max_new_tokens=args.max_new_tokens, max_num_scheduled_tokens=prefill_tokens,
+                         max_num_seqs=args.concurrency)
     placement = "one device" if mesh is None else f"split by head over {args.devices} device(s)"
     print(f"jaxckpt demo: tiny hybrid model ({', '.join(config.layer_types)}), block {block}, "
-          f"{jax.default_backend()}, {placement}, {len(prompts)} prompts per mode, "
+          f"{jax.default_backend()}, {placement}, {len(prompts)} prompts per mode at concurrency {args.concurrency}, "
           f"alignment {model.checkpoint_alignment()}")
 
     references: dict[tuple, np.ndarray] = {}
     report = {"backend": jax.default_backend(), "device": str(jax.devices()[0]), "devices": args.devices,
-              "block_size": block,
+              "block_size": block, "concurrency": args.concurrency,
               "layer_types": list(config.layer_types), "prompts": len(prompts), "modes": {}}
     results: dict[str, list[RequestResult]] = {}
     progress = _Progress(len(prompts) * len(modes), enabled=not args.no_progress and sys.stderr.isatty())
@@ -205,9 +210,12 @@ def run(args: argparse.Namespace) -> int:
     failures = 0
     for mode in modes:
         engine = Engine(runner, EngineConfig(mode=mode, **engine_kwargs))
-        results[mode] = engine.run([p.tokens for p in prompts], on_done=lambda _, m=mode: progress.update(m))
+        results[mode] = engine.run([p.tokens for p in prompts], concurrency=args.concurrency,
+                                   on_done=lambda _, m=mode: progress.update(m))
         rows = []
         for prompt, result in zip(prompts, results[mode]):
+            if result.status != "finished":
+                raise RuntimeError(f"{mode}: request {result.request_id} {result.status}: {result.reason}")
             key = tuple(prompt.tokens)
             if key not in references:
                 references[key] = runner.reference_logits(prompt.tokens)[-1]
@@ -219,7 +227,12 @@ def run(args: argparse.Namespace) -> int:
                              prefill_forwards=result.prefill_forwards, prefill_tokens=result.prefill_tokens,
                              checkpoints=result.checkpoints, ttft_ms=1e3 * result.ttft_s, rel_err=err))
         stats, cache = engine.stats, engine.cache_stats
+        ttfts = [r["ttft_ms"] for r in rows]
+        duration = max(r.finish_s for r in results[mode]) - min(r.arrival_s for r in results[mode])
         report["modes"][mode] = dict(
+            steps=len(engine.steps), max_rows=max(s.num_decodes + s.num_prefill_rows for s in engine.steps),
+            p99_ttft_ms=float(np.percentile(ttfts, 99)),
+            input_tok_s=sum(len(p.tokens) for p in prompts) / duration,
             forwards=stats.forwards, prefill_forwards=stats.prefill_forwards, decode_forwards=stats.decode_forwards,
             prefill_tokens=stats.prefill_tokens, checkpoints=stats.checkpoints,
             published_states=stats.published_states, hit_tokens=cache.hit_tokens, query_tokens=cache.query_tokens,
@@ -250,15 +263,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_tables(report: dict, modes: list[str], prompts: list[DemoPrompt]):
-    header = (f"{'mode':<15} {'forwards':>8} {'prefill':>7} {'decode':>6} {'tokens computed':>15} "
-              f"{'hit tokens':>10} {'hit rate':>8} {'hit prompts':>11} {'mean TTFT ms':>12}")
+    header = (f"{'mode':<15} {'steps':>5} {'prefill':>7} {'decode':>6} {'rows':>4} {'tokens computed':>15} "
+              f"{'hit tokens':>10} {'hit rate':>8} {'hit prompts':>11} {'mean TTFT ms':>12} {'p99':>7} "
+              f"{'input tok/s':>11}")
     print(header)
     print("-" * len(header))
     for mode in modes:
         m = report["modes"][mode]
-        print(f"{mode:<15} {m['forwards']:>8} {m['prefill_forwards']:>7} {m['decode_forwards']:>6} "
+        print(f"{mode:<15} {m['steps']:>5} {m['prefill_forwards']:>7} {m['decode_forwards']:>6} {m['max_rows']:>4} "
               f"{m['prefill_tokens']:>15} {m['hit_tokens']:>10} {m['hit_rate']:>8.1%} "
-              f"{m['hit_prompts']:>7}/{len(prompts):<3} {m['mean_ttft_ms']:>12.1f}")
+              f"{m['hit_prompts']:>7}/{len(prompts):<3} {m['mean_ttft_ms']:>12.1f} {m['p99_ttft_ms']:>7.1f} "
+              f"{m['input_tok_s']:>11.0f}")
     groups = list(dict.fromkeys(p.group for p in prompts))
     print("\nprompts served from the cache (hit/prompts; tokens hit vs what the attention pages alone matched)")
     print(f"{'workload':<26}" + "".join(f" {mode:>22}" for mode in modes))

@@ -1,105 +1,128 @@
-"""The engine loop: align-mode prefill with a prefix cache, one request at a time, then a few greedy decode steps.
+"""The engine loop: continuous batching of many requests over an align-mode prefix cache, greedy decoding.
 
-Three ways to produce the boundary states the cache needs:
+Each step packs the decode rows of every running request first, then prefill chunks of the running requests in
+admission order under the step's token budget (`max_num_scheduled_tokens`, chunked prefill); waiting requests are
+admitted as others finish. Four modes:
 - "two_step": vLLM without internal checkpoints. The split (`block_aligned_split`, has_checkpoint_blocks=False) cuts
-  the prompt at its last cacheable boundary, so a prompt crossing it costs two forwards.
+  the prompt at its last cacheable boundary, so a prompt crossing it needs one more step for its tail.
 - "one_checkpoint": vLLM 0.33 with internal checkpoints. The prompt-finishing chunk runs whole and the layers
   export the state at the last boundary from inside the forward (`batch_checkpoints`, policy "vllm").
-- "several": the extended mode. Every block boundary inside the query gets a checkpoint (policy "every_block"),
+- "several": the extended mode. Every block boundary inside every chunk gets a checkpoint (policy "every_block"),
   so a shared prefix whose length is not a multiple of the block still leaves its boundary states behind.
+- "no_prefix_cache": the baseline with prefix caching off: no lookups, nothing published, chunks cut only by the
+  budget.
 
 Which checkpoints a step exports comes only from `jaxckpt.plan`; the same answer reserves the cache slots, fills the
-metadata handed to the model, and is committed to the cache after the forward returns.
+metadata handed to the model, and is committed to the cache after the forward returns, row by row: a row whose
+logits or states come out non-finite fails alone and publishes nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxckpt.engine.cache import NULL_PAGE, CacheStats, PrefixCache, extend_block_hashes
-from jaxckpt.layers.metadata import StepMetadata, pack_tokens
-from jaxckpt.models import hybrid
-from jaxckpt.plan import NULL_SLOT, batch_checkpoints, bucket_size
+from jaxckpt.engine.cache import NULL_PAGE, CacheStats, PrefixCache, PrefixHit, extend_block_hashes
+from jaxckpt.engine.runner import HybridRunner, Step
+from jaxckpt.plan import NULL_SLOT, batch_checkpoints
 from jaxckpt.plan.conventions import check_positive
 from jaxckpt.plan.scheduler import SchedulerConfig, block_aligned_split
 
 MODES = ("two_step", "one_checkpoint", "several")
+BASELINE = "no_prefix_cache"
+ENGINE_MODES = MODES + (BASELINE,)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclasses.dataclass(frozen=True)
-class Step:
-    """One forward's host metadata, unpadded (the runner pads it to its shape buckets)."""
-
-    tokens: np.ndarray                    # i32[T]
-    cu_seqlens: np.ndarray                # i32[N + 1], decode rows first
-    positions: np.ndarray                 # i32[T]
-    context_lens: np.ndarray              # i32[N]
-    block_tables: np.ndarray              # i32[N, MAXB]
-    initial_state_indices: np.ndarray     # i32[N]
-    has_initial_state: np.ndarray         # bool[N]
-    final_state_indices: np.ndarray       # i32[N]
-    checkpoint_cu: np.ndarray             # i32[N + 1]
-    checkpoint_offsets: np.ndarray        # i32[M]
-    checkpoint_state_indices: np.ndarray  # i32[M]
-    num_decodes: int
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """`max_num_scheduled_tokens` is the per-step token budget and also the token bucket every step is padded to;
-    `max_checkpoints_per_row` bounds the "several" mode (None: every block boundary of the query)."""
+    """`max_num_scheduled_tokens` is the per-step token budget; `max_num_seqs` the most requests running at once
+    (admitted, holding pages); `max_checkpoints_per_row` bounds the "several" mode (None: every block boundary of
+    the chunk)."""
 
     mode: str = "one_checkpoint"
     num_kv_pages: int = 512
     num_state_slots: int = 128
     max_new_tokens: int = 4
     max_num_scheduled_tokens: int = 256
+    max_num_seqs: int = 8
     max_checkpoints_per_row: int | None = None
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode: must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in ENGINE_MODES:
+            raise ValueError(f"mode: must be one of {ENGINE_MODES}, got {self.mode!r}")
         check_positive(self.num_kv_pages, name="num_kv_pages")
         check_positive(self.num_state_slots, name="num_state_slots")
         check_positive(self.max_new_tokens, name="max_new_tokens")
         check_positive(self.max_num_scheduled_tokens, name="max_num_scheduled_tokens")
+        check_positive(self.max_num_seqs, name="max_num_seqs")
+        if self.max_num_seqs > self.max_num_scheduled_tokens:
+            raise ValueError(f"max_num_seqs: {self.max_num_seqs} decode rows would not fit the token budget "
+                             f"max_num_scheduled_tokens={self.max_num_scheduled_tokens}")
         if self.max_checkpoints_per_row is not None:
             check_positive(self.max_checkpoints_per_row, name="max_checkpoints_per_row")
 
 
 @dataclasses.dataclass
 class RequestResult:
+    request_id: int
     prompt_len: int
+    status: str                     # "finished", "failed" (reason says why) or "cancelled"
+    reason: str | None
     hit_tokens: int                 # prefix served from the cache
     attention_hit_tokens: int       # what the attention pages alone matched (the rest lacked a recurrent state)
-    prefill_forwards: int
-    prefill_tokens: int             # tokens computed by prefill forwards
-    checkpoints: int                # states exported from inside forwards
-    ttft_s: float                   # lookup to first token, compile time excluded
-    first_logits: np.ndarray        # [vocab] logits of the prompt's last token
+    prefill_forwards: int           # steps that ran a chunk of this prompt
+    prefill_tokens: int             # prompt tokens computed by those steps
+    checkpoints: int                # states exported from inside forwards for this request
+    tail_step: bool                 # the prompt's last chunk was cut off at its last boundary (two_step's tail)
+    arrival_s: float                # engine clock (compile time excluded) at add_request
+    first_token_s: float | None     # engine clock when the first token came out
+    finish_s: float | None
+    first_logits: np.ndarray | None  # [vocab] logits of the prompt's last token
     generated: list[int]
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival to first token: queueing, every prefill step and the steps in between, compile time excluded."""
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token_s is None or self.finish_s is None or len(self.generated) < 2:
+            return None
+        return (self.finish_s - self.first_token_s) / (len(self.generated) - 1)
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One engine step: what it ran and how long it took on the engine clock (compile time excluded)."""
+
+    seconds: float
+    num_tokens: int                 # real tokens (the runner pads to its bucket)
+    num_decodes: int
+    num_prefill_rows: int
+    checkpoints: int
+    tail_rows: int                  # rows whose chunk is a two_step tail (the rest after the last boundary)
+    finished_prefills: int          # rows whose chunk finished their prompt
 
 
 @dataclasses.dataclass
 class EngineStats:
-    prefill_forwards: int = 0
-    decode_forwards: int = 0
+    prefill_forwards: int = 0       # steps holding at least one prefill row
+    decode_forwards: int = 0        # steps holding decode rows only
     prefill_tokens: int = 0
     decode_tokens: int = 0
     checkpoints: int = 0
     published_states: int = 0
+    failed_requests: int = 0
 
     @property
     def forwards(self) -> int:
@@ -108,27 +131,58 @@ class EngineStats:
 
 @dataclasses.dataclass
 class _Request:
+    request_id: int
     tokens: list[int]
     prompt_len: int
-    pages: list[int]
-    published_blocks: int
-    state_slot: int
-    num_computed: int
+    max_new_tokens: int
+    arrival_s: float
     hashes: list[bytes] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    published_blocks: int = 0
+    state_slot: int = NULL_SLOT
+    num_computed: int = 0
+    hit: PrefixHit | None = None
+    prefill_forwards: int = 0
+    prefill_tokens: int = 0
+    checkpoints: int = 0
+    tail_step: bool = False
+    first_token_s: float | None = None
+    first_logits: np.ndarray | None = None
+
+    @property
+    def in_decode(self) -> bool:
+        return self.num_computed >= self.prompt_len
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclasses.dataclass
+class _Row:
+    req: _Request
+    count: int
+    decode: bool
+    offsets: list[int]
+    columns: list[int]
+    slots: list[int] = dataclasses.field(default_factory=list)  # checkpoint slots, then the final slot
 
 
 class Engine:
-    """Serves prompts through `runner` (see `HybridRunner`) with an align-mode prefix cache.
+    """Serves requests through `runner` (see `jaxckpt.engine.runner`) with an align-mode prefix cache.
 
-    The runner owns the device caches and exposes block_size, max_model_len, vocab_size, checkpoint_alignment(),
-    reset(num_kv_pages=, num_state_slots=), forward(step) -> logits [N, vocab] and compile_seconds.
+    `add_request` queues a prompt (or refuses it with ValueError), `step` runs one engine step, `cancel` drops a
+    request, `run` drives a closed loop over many prompts. Time is the engine clock: perf_counter minus the runner's
+    compile seconds.
     """
 
     def __init__(self, runner, config: EngineConfig = EngineConfig()):
         self.runner, self.config = runner, config
         self.block_size = check_positive(runner.block_size, name="block_size")
+        self.caching = config.mode != BASELINE
+        checkpointing = config.mode in ("one_checkpoint", "several")
         self.alignment = runner.checkpoint_alignment()
-        if config.mode != "two_step":
+        if checkpointing:
             if self.alignment is None:
                 raise ValueError(f"mode: {config.mode!r} needs a model whose recurrent layers export checkpoints "
                                  "(checkpoint_alignment() is None); use 'two_step'")
@@ -140,234 +194,319 @@ class Engine:
                              f"{self.block_size}; the split could not advance")
         self.max_blocks = _cdiv(runner.max_model_len, self.block_size)
         self.split_config = SchedulerConfig(
-            block_size=self.block_size, has_checkpoint_blocks=config.mode != "two_step",
-            checkpoint_alignment=self.alignment if config.mode != "two_step" else None,
+            block_size=self.block_size, has_checkpoint_blocks=checkpointing,
+            checkpoint_alignment=self.alignment if checkpointing else None,
             max_num_scheduled_tokens=config.max_num_scheduled_tokens)
         if config.mode == "several":
-            self.checkpoint_policy = ("every_block", config.max_checkpoints_per_row or self.max_blocks)
-        else:
+            per_step = config.max_num_scheduled_tokens // self.block_size + 1
+            self.checkpoint_policy = ("every_block", min(config.max_checkpoints_per_row or per_step, per_step))
+        elif config.mode == "one_checkpoint":
             self.checkpoint_policy = ("vllm", 1)
+        else:
+            self.checkpoint_policy = None
         self.cache = PrefixCache(block_size=self.block_size, num_kv_pages=config.num_kv_pages,
                                  num_state_slots=config.num_state_slots)
         runner.reset(num_kv_pages=config.num_kv_pages, num_state_slots=config.num_state_slots)
         self.stats = EngineStats()
+        self.steps: list[StepRecord] = []
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.results: dict[int, RequestResult] = {}
+        self._next_id = 0
 
     @property
     def cache_stats(self) -> CacheStats:
         return self.cache.stats
 
-    def check_prompt(self, prompt: Sequence[int]) -> list[int]:
+    def clock(self) -> float:
+        return time.perf_counter() - self.runner.compile_seconds
+
+    def check_prompt(self, prompt: Sequence[int], *, max_new_tokens: int | None = None) -> list[int]:
         tokens = [int(t) for t in prompt]
         if not tokens:
             raise ValueError("prompt: must hold at least one token")
         vocab = self.runner.vocab_size
         if min(tokens) < 0 or max(tokens) >= vocab:
             raise ValueError(f"prompt: token ids must lie in [0, {vocab}), got range [{min(tokens)}, {max(tokens)}]")
-        total = len(tokens) + self.config.max_new_tokens
-        if total > self.runner.max_model_len:
-            raise ValueError(f"prompt: {len(tokens)} tokens + max_new_tokens={self.config.max_new_tokens} exceed "
+        new = self.config.max_new_tokens if max_new_tokens is None else check_positive(max_new_tokens,
+                                                                                       name="max_new_tokens")
+        if len(tokens) + new > self.runner.max_model_len:
+            raise ValueError(f"prompt: {len(tokens)} tokens + max_new_tokens={new} exceed "
                              f"max_model_len={self.runner.max_model_len}")
+        pages = self._pages_needed(len(tokens), new)
+        if pages > self.config.num_kv_pages - 1:
+            raise ValueError(f"num_kv_pages: a request of {len(tokens)} + {new} tokens needs {pages} pages of "
+                             f"{self.block_size}; the pool has {self.config.num_kv_pages - 1} usable (page 0 is null)")
+        need = 1 + self._row_slots(len(tokens))
+        if need > self.config.num_state_slots - 1:
+            raise ValueError(f"num_state_slots: a request of {len(tokens)} tokens needs {need} slots in mode "
+                             f"{self.config.mode!r} (its state, the next one and its checkpoints); the pool has "
+                             f"{self.config.num_state_slots - 1} usable (slot 0 is null)")
         return tokens
 
-    def run(self, prompts: Sequence[Sequence[int]], *,
-            on_done: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
-        prompts = [self.check_prompt(p) for p in prompts]
-        results = []
-        for prompt in prompts:
-            results.append(self.serve(prompt))
-            if on_done is not None:
-                on_done(results[-1])
-        return results
+    def _row_slots(self, prompt_len: int) -> int:
+        """Slots one step of a request may take besides the one it holds: its final state and its checkpoints (at
+        most one per block boundary inside a chunk)."""
+        if self.checkpoint_policy is None:
+            return 1
+        boundaries = _cdiv(min(prompt_len, self.config.max_num_scheduled_tokens), self.block_size)
+        return 1 + min(self.checkpoint_policy[1], boundaries)
 
-    def serve(self, prompt: Sequence[int]) -> RequestResult:
-        tokens = self.check_prompt(prompt)
-        compile_before = self.runner.compile_seconds
-        start = time.perf_counter()
-        req = _Request(tokens=tokens, prompt_len=len(tokens), pages=[], published_blocks=0, state_slot=NULL_SLOT,
-                       num_computed=0)
-        extend_block_hashes(req.hashes, tokens[:len(tokens) - 1], block_size=self.block_size)
-        hit = self.cache.lookup(tokens, hashes=req.hashes)
-        req.pages = list(hit.pages)
+    def _pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        # every token but the last generated one is written to the KV cache
+        return _cdiv(prompt_len + max_new_tokens - 1, self.block_size)
+
+    def add_request(self, prompt: Sequence[int], *, max_new_tokens: int | None = None) -> int:
+        """Queues a prompt; returns its request id. Raises ValueError (naming the argument) for a prompt that could
+        never run: empty, ids outside the vocabulary, over max_model_len, or larger than the pools."""
+        tokens = self.check_prompt(prompt, max_new_tokens=max_new_tokens)
+        req = _Request(request_id=self._next_id, tokens=tokens, prompt_len=len(tokens),
+                       max_new_tokens=self.config.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                       arrival_s=self.clock())
+        self._next_id += 1
+        if self.caching:
+            extend_block_hashes(req.hashes, tokens[:len(tokens) - 1], block_size=self.block_size)
+        self.waiting.append(req)
+        return req.request_id
+
+    def cancel(self, request_id: int) -> bool:
+        """Drops a waiting or running request, freeing its pages and slots; False if it is not in flight."""
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                self._finish(req, "cancelled", None)
+                return True
+        for req in self.running:
+            if req.request_id == request_id:
+                self._retire(req, "cancelled", None)
+                return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self, req: _Request) -> bool:
+        """Takes the request's prefix hit and every page it will write, if the pools can hold them with room left
+        for each running request's next step; otherwise leaves everything as it was (the request waits)."""
+        cache = self.cache
+        hit = (cache.lookup(req.tokens[:req.prompt_len], hashes=req.hashes, record=False) if self.caching
+               else PrefixHit(0, (), NULL_SLOT, 0))
+        pages = self._pages_needed(req.prompt_len, req.max_new_tokens) - len(hit.pages)
+        held = sum(r.state_slot != NULL_SLOT for r in self.running) + (hit.state_slot != NULL_SLOT)
+        # every running request holds at most one slot between steps; room for one more row's step keeps the
+        # engine moving whatever the others hold
+        row_slots = max(self._row_slots(r.prompt_len) for r in self.running + [req])
+        slots_ok = cache.available_slots >= row_slots + (len(self.running) + 1 - held)
+        if cache.available_pages < pages or not slots_ok:
+            cache.release_hit(hit)
+            return False
+        if self.caching:
+            cache.record_lookup(hit, num_query_tokens=req.prompt_len)
+        req.hit = hit
+        req.pages = list(hit.pages) + [cache.allocate_page() for _ in range(pages)]
         req.published_blocks = len(hit.pages)
         req.state_slot = hit.state_slot
         req.num_computed = hit.num_tokens
-        forwards = computed = checkpoints = 0
-        try:
-            while req.num_computed < req.prompt_len:
-                offered = min(req.prompt_len - req.num_computed, self.config.max_num_scheduled_tokens)
-                count = block_aligned_split(self.split_config, num_prompt_tokens=req.prompt_len,
-                                            num_tokens=req.prompt_len, num_computed_tokens=req.num_computed,
-                                            num_new_tokens=offered)
-                if count == 0:
-                    raise RuntimeError(f"the split scheduled 0 tokens at {req.num_computed}/{req.prompt_len}")
-                logits, exported = self._step(req, count, decode=False)
-                forwards += 1
-                computed += count
-                checkpoints += exported
-            first_logits = logits
-            req.tokens.append(int(np.argmax(first_logits)))
-            ttft = time.perf_counter() - start - (self.runner.compile_seconds - compile_before)
-            for _ in range(self.config.max_new_tokens - 1):
-                logits, _ = self._step(req, 1, decode=True)
-                req.tokens.append(int(np.argmax(logits)))
-        finally:
-            self.cache.release_pages(req.pages)
-            self.cache.release_slot(req.state_slot)
-        return RequestResult(prompt_len=req.prompt_len, hit_tokens=hit.num_tokens,
-                             attention_hit_tokens=hit.attention_tokens, prefill_forwards=forwards,
-                             prefill_tokens=computed, checkpoints=checkpoints, ttft_s=ttft,
-                             first_logits=np.asarray(first_logits), generated=req.tokens[req.prompt_len:])
+        self.running.append(req)
+        return True
 
-    def _step(self, req: _Request, count: int, *, decode: bool) -> tuple[np.ndarray, int]:
-        """One forward over req.tokens[num_computed:num_computed + count]; returns (last-token logits, checkpoints)."""
-        block = self.block_size
+    def _schedule(self) -> list[_Row]:
+        while self.waiting and len(self.running) < self.config.max_num_seqs and self._admit(self.waiting[0]):
+            self.waiting.popleft()
+        budget = self.config.max_num_scheduled_tokens
+        slots = self.cache.available_slots
+        decodes, prefills = [], []
+        for req in self.running:
+            if req.in_decode and budget >= 1 and slots >= 1:
+                decodes.append(_Row(req, 1, True, [], []))
+                budget -= 1
+                slots -= 1
+        for req in self.running:
+            if req.in_decode or budget == 0:
+                continue
+            offered = min(req.prompt_len - req.num_computed, budget)
+            count = self._split(req, offered)
+            if count == 0:
+                continue
+            if count < offered and req.num_computed + offered == req.prompt_len:
+                # the split cut a chunk that would have finished the prompt: its rest is a tail of its own
+                req.tail_step = True
+            offsets, columns = self._checkpoints(req, count)
+            if slots < 1 + len(offsets):
+                continue
+            prefills.append(_Row(req, count, False, offsets, columns))
+            budget -= count
+            slots -= 1 + len(offsets)
+        return decodes + prefills
+
+    def _split(self, req: _Request, offered: int) -> int:
+        if not self.caching:
+            return offered
+        return block_aligned_split(self.split_config, num_prompt_tokens=req.prompt_len, num_tokens=req.prompt_len,
+                                   num_computed_tokens=req.num_computed, num_new_tokens=offered)
+
+    def _checkpoints(self, req: _Request, count: int) -> tuple[list[int], list[int]]:
         qs, qe = req.num_computed, req.num_computed + count
-        if decode or self.config.mode == "two_step":
-            offsets, columns = np.zeros(0, np.int32), np.zeros(0, np.int32)
-        else:
-            policy, per_row = self.checkpoint_policy
-            _, offsets, columns = batch_checkpoints([qs], [qe], hash_block_size=block, block_size=block,
-                                                    alignment=self.alignment, max_checkpoints_per_row=per_row,
-                                                    policy=policy)
-        extend_block_hashes(req.hashes, req.tokens[:qe], block_size=block)
+        if self.checkpoint_policy is None:
+            return [], []
+        policy, per_row = self.checkpoint_policy
+        if policy == "vllm" and qe < req.prompt_len:
+            return [], []  # budget-limited chunks never checkpoint in vLLM
+        _, offsets, columns = batch_checkpoints([qs], [qe], hash_block_size=self.block_size,
+                                                block_size=self.block_size, alignment=self.alignment,
+                                                max_checkpoints_per_row=per_row, policy=policy)
         for offset, column in zip(offsets.tolist(), columns.tolist()):
             # hash unit = block: a checkpoint in column c is the state after (c + 1) blocks
-            if qs + offset != (column + 1) * block:
+            if qs + offset != (column + 1) * self.block_size:
                 raise AssertionError(f"checkpoint at {qs + offset} does not match column {column}")
-        new_pages = _cdiv(qe, block) - len(req.pages)
-        self.cache.ensure(pages=new_pages, slots=1 + len(offsets))
-        req.pages += [self.cache.allocate_page() for _ in range(new_pages)]
-        checkpoint_slots = [self.cache.reserve_slot(req.hashes[c]) for c in columns.tolist()]
-        final_slot = self.cache.reserve_slot(req.hashes[qe // block - 1] if qe % block == 0 else None)
-        written = checkpoint_slots + [final_slot]
+        return offsets.tolist(), columns.tolist()
 
-        block_table = np.full((1, self.max_blocks), NULL_PAGE, np.int32)
-        block_table[0, :len(req.pages)] = req.pages
-        step = Step(
-            tokens=np.asarray(req.tokens[qs:qe], np.int32),
-            cu_seqlens=np.asarray([0, count], np.int32),
-            positions=np.arange(qs, qe, dtype=np.int32),
-            context_lens=np.asarray([qs], np.int32),
-            block_tables=block_table,
-            initial_state_indices=np.asarray([req.state_slot], np.int32),
-            has_initial_state=np.asarray([qs > 0]),
-            final_state_indices=np.asarray([final_slot], np.int32),
-            checkpoint_cu=np.asarray([0, len(offsets)], np.int32),
-            checkpoint_offsets=offsets.astype(np.int32),
-            checkpoint_state_indices=np.asarray(checkpoint_slots, np.int32),
-            num_decodes=1 if decode else 0)
+    def step(self) -> StepRecord | None:
+        """Admits what fits, runs one forward over the packed rows, commits row by row; None if nothing could run."""
+        rows = self._schedule()
+        if not rows:
+            if self.running:
+                raise RuntimeError(f"no row of {len(self.running)} running requests could be scheduled")
+            return None
+        began = self.clock()
+        block, cache = self.block_size, self.cache
+        for row in rows:
+            req = row.req
+            qe = req.num_computed + row.count
+            if self.caching:
+                extend_block_hashes(req.hashes, req.tokens[:qe], block_size=block)
+                row.slots = [cache.reserve_slot(req.hashes[c]) for c in row.columns]
+                row.slots.append(cache.reserve_slot(req.hashes[qe // block - 1] if qe % block == 0 else None))
+            else:
+                row.slots = [cache.reserve_slot(None)]
+        step = self._build(rows)
         try:
             logits = self.runner.forward(step)
+            finite_states = self.runner.states_finite([s for row in rows for s in row.slots])
         except BaseException:
-            self.cache.discard(written)
+            for row in rows:
+                cache.discard(row.slots)
             raise
-        published = self.cache.commit(written)
-        for slot in checkpoint_slots:
-            self.cache.release_slot(slot)
-        self.cache.release_slot(req.state_slot)
-        req.state_slot = final_slot
-        for j in range(req.published_blocks, qe // block):
-            self.cache.publish_page(req.pages[j], req.hashes[j])
-        req.published_blocks = max(req.published_blocks, qe // block)
-        req.num_computed = qe
-
+        now = self.clock()
+        record = StepRecord(seconds=now - began, num_tokens=len(step.tokens), num_decodes=step.num_decodes,
+                            num_prefill_rows=len(rows) - step.num_decodes,
+                            checkpoints=sum(len(r.offsets) for r in rows), tail_rows=0, finished_prefills=0)
+        used = 0
+        for row, row_logits in zip(rows, logits):
+            finite = finite_states[used:used + len(row.slots)]
+            used += len(row.slots)
+            self._commit(row, row_logits, finite, now, record)
+        self.steps.append(record)
         stats = self.stats
-        if decode:
-            stats.decode_forwards += 1
-            stats.decode_tokens += count
-        else:
+        if record.num_prefill_rows:
             stats.prefill_forwards += 1
-            stats.prefill_tokens += count
-            stats.checkpoints += len(offsets)
-        stats.published_states += published
-        return np.asarray(logits)[0], len(offsets)
-
-
-class HybridRunner:
-    """Runs engine steps on `jaxckpt.models.hybrid`: pads each step to a shape bucket, calls the jitted forward on the
-    device caches, and times the first call of each bucket apart as compile time (on a scratch copy of the caches).
-
-    Prefill steps are padded to at least `prefill_tokens` tokens, decode steps to `decode_tokens`, checkpoint lists
-    to `num_checkpoints` entries, so a demo or test run compiles one prefill and one decode shape. Decode steps stay
-    unpadded by default: the ops return one output per decode row when a step holds only decode rows, so padding
-    tokens there would not line up. `fill` is the initial value of every cache entry (nan poisons unwritten ones).
-
-    With a `mesh`, the model runs split by head over its axis `axis` (`jaxckpt.models.sharded.ShardedHybrid`): the
-    caches live in the sharded layout, the steps and every decision about them stay global.
-    """
-
-    def __init__(self, model, *, prefill_tokens: int = 256, decode_tokens: int = 1, num_checkpoints: int = 16,
-                 fill: float = 0.0, mesh=None, axis: str = "heads"):
-        self.model = model
-        self.fill = fill
-        config = model.config
-        self.block_size, self.max_model_len = config.block_size, config.max_model_len
-        self.vocab_size = config.vocab_size
-        self.prefill_tokens = check_positive(prefill_tokens, name="prefill_tokens")
-        self.decode_tokens = check_positive(decode_tokens, name="decode_tokens")
-        self.num_checkpoints = check_positive(num_checkpoints, name="num_checkpoints")
-        if mesh is None:
-            self.sharded = None
-            self._forward = functools.partial(hybrid.forward, *nnx.split(model))
-            self._init_caches = model.init_caches
         else:
-            from jaxckpt.models.sharded import ShardedHybrid
+            stats.decode_forwards += 1
+        return record
 
-            self.sharded = ShardedHybrid(model, mesh, axis=axis)
-            self._forward = self.sharded.forward
-            self._init_caches = self.sharded.init_caches
-        self.compile_seconds = 0.0
-        self.compiled: dict[tuple, float] = {}
-        self.caches = None
+    def _build(self, rows: list[_Row]) -> Step:
+        counts = [row.count for row in rows]
+        tables = np.full((len(rows), self.max_blocks), NULL_PAGE, np.int32)
+        for n, row in enumerate(rows):
+            tables[n, :len(row.req.pages)] = row.req.pages
+        starts = [row.req.num_computed for row in rows]
+        return Step(
+            tokens=np.asarray([t for row, qs in zip(rows, starts) for t in row.req.tokens[qs:qs + row.count]],
+                              np.int32),
+            cu_seqlens=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+            positions=np.concatenate([np.arange(qs, qs + c) for qs, c in zip(starts, counts)]).astype(np.int32),
+            context_lens=np.asarray(starts, np.int32),
+            block_tables=tables,
+            initial_state_indices=np.asarray([row.req.state_slot for row in rows], np.int32),
+            has_initial_state=np.asarray([qs > 0 for qs in starts]),
+            final_state_indices=np.asarray([row.slots[-1] for row in rows], np.int32),
+            checkpoint_cu=np.concatenate([[0], np.cumsum([len(row.offsets) for row in rows])]).astype(np.int32),
+            checkpoint_offsets=np.asarray([o for row in rows for o in row.offsets], np.int32),
+            checkpoint_state_indices=np.asarray([s for row in rows for s in row.slots[:-1]], np.int32),
+            num_decodes=sum(row.decode for row in rows),
+            request_ids=tuple(row.req.request_id for row in rows))
 
-    def checkpoint_alignment(self) -> int | None:
-        return self.model.checkpoint_alignment()
+    def _commit(self, row: _Row, logits: np.ndarray, finite_states: np.ndarray, now: float, record: StepRecord):
+        req, cache, block = row.req, self.cache, self.block_size
+        qe = req.num_computed + row.count
+        if not np.isfinite(logits).all() or not finite_states.all():
+            what = "logits" if not np.isfinite(logits).all() else "recurrent states"
+            cache.discard(row.slots)
+            self.stats.failed_requests += 1
+            self._retire(req, "failed", f"non-finite {what} in the step computing tokens [{req.num_computed}, {qe})"
+                                        "; nothing of that step was published")
+            return
+        published = cache.commit(row.slots)
+        for slot in row.slots[:-1]:
+            cache.release_slot(slot)
+        cache.release_slot(req.state_slot)
+        req.state_slot = row.slots[-1]
+        if self.caching:
+            for j in range(req.published_blocks, qe // block):
+                cache.publish_page(req.pages[j], req.hashes[j])
+            req.published_blocks = max(req.published_blocks, qe // block)
+        self.stats.published_states += published
+        self.stats.checkpoints += len(row.offsets)
+        if row.decode:
+            self.stats.decode_tokens += 1
+        else:
+            self.stats.prefill_tokens += row.count
+            req.prefill_forwards += 1
+            req.prefill_tokens += row.count
+            req.checkpoints += len(row.offsets)
+            if qe == req.prompt_len:
+                record.finished_prefills += 1
+                record.tail_rows += req.tail_step
+        req.num_computed = qe
+        if not req.in_decode:
+            return
+        req.tokens.append(int(np.argmax(logits)))
+        if req.first_token_s is None:
+            req.first_token_s, req.first_logits = now, np.array(logits)
+        if req.num_generated >= req.max_new_tokens:
+            self._retire(req, "finished", None)
 
-    def reset(self, *, num_kv_pages: int, num_state_slots: int):
-        self.num_kv_pages, self.num_state_slots = num_kv_pages, num_state_slots
-        self.caches = self._init_caches(num_kv_pages, num_state_slots, fill=self.fill)
+    def _retire(self, req: _Request, status: str, reason: str | None):
+        self.running.remove(req)
+        self.cache.release_pages(req.pages)
+        self.cache.release_slot(req.state_slot)
+        req.pages, req.state_slot = [], NULL_SLOT
+        self._finish(req, status, reason)
 
-    def forward(self, step: Step) -> np.ndarray:
-        if self.caches is None:
-            raise ValueError("caches: call reset(num_kv_pages=, num_state_slots=) before forward")
-        num_rows = len(step.cu_seqlens) - 1
-        minimum = self.decode_tokens if step.num_decodes else self.prefill_tokens
-        num_tokens = bucket_size(len(step.tokens), minimum=minimum)
-        meta = StepMetadata.build(
-            np.diff(step.cu_seqlens), context_lens=step.context_lens, block_tables=step.block_tables,
-            initial_state_indices=step.initial_state_indices, final_state_indices=step.final_state_indices,
-            has_initial_state=step.has_initial_state, checkpoint_cu=step.checkpoint_cu,
-            checkpoint_offsets=step.checkpoint_offsets, checkpoint_state_indices=step.checkpoint_state_indices,
-            num_decodes=step.num_decodes, block_size=self.block_size, num_kv_pages=self.num_kv_pages,
-            num_state_slots=self.num_state_slots, max_model_len=self.max_model_len, num_tokens=num_tokens,
-            num_rows=bucket_size(num_rows, minimum=1),
-            num_checkpoints=bucket_size(len(step.checkpoint_offsets), minimum=self.num_checkpoints),
-            max_blocks=step.block_tables.shape[1])
-        tokens = pack_tokens([step.tokens], num_tokens)
-        key = (tokens.shape, meta.block_tables.shape, meta.checkpoint_offsets.shape, meta.num_decodes,
-               self.num_kv_pages, self.num_state_slots)
-        if key not in self.compiled:
-            # the caches are donated, so the warm-up calls run on copies and their results are dropped; the second
-            # call is warm-up too (the first run after a compile is still several times slower than steady state)
-            began = time.perf_counter()
-            for _ in range(2):
-                scratch = jax.tree.map(jnp.copy, self.caches)
-                jax.block_until_ready(self._forward(tokens, meta, scratch))
-            self.compiled[key] = time.perf_counter() - began
-            self.compile_seconds += self.compiled[key]
-        logits, self.caches = self._forward(tokens, meta, self.caches)
-        if self.sharded is not None:
-            # the engine publishes this step's slots when forward returns, and reading the logits waits for one
-            # shard only: wait until every shard has written its part of the caches
-            jax.block_until_ready(self.caches)
-        return np.asarray(logits)[:num_rows]
+    def _finish(self, req: _Request, status: str, reason: str | None):
+        hit = req.hit or PrefixHit(0, (), NULL_SLOT, 0)
+        self.results[req.request_id] = RequestResult(
+            request_id=req.request_id, prompt_len=req.prompt_len, status=status, reason=reason,
+            hit_tokens=hit.num_tokens, attention_hit_tokens=hit.attention_tokens,
+            prefill_forwards=req.prefill_forwards, prefill_tokens=req.prefill_tokens, checkpoints=req.checkpoints,
+            tail_step=req.tail_step, arrival_s=req.arrival_s, first_token_s=req.first_token_s,
+            finish_s=self.clock() if status == "finished" else None, first_logits=req.first_logits,
+            generated=req.tokens[req.prompt_len:])
 
-    def reference_logits(self, tokens: Sequence[int]) -> np.ndarray:
-        """Per-token logits [T, vocab] of one uncached forward over `tokens` from a fresh state.
+    def run(self, prompts: Sequence[Sequence[int]], *, concurrency: int = 1,
+            on_done: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
+        """A closed loop: `concurrency` requests in flight, the next prompt submitted as each one ends; results in
+        prompt order. Every prompt is checked before the first runs."""
+        concurrency = check_positive(concurrency, name="concurrency")
+        prompts = [self.check_prompt(p) for p in prompts]
+        pending = deque(prompts)
+        ids: list[int] = []
+        in_flight: set[int] = set()
+        while pending or in_flight:
+            while pending and len(in_flight) < concurrency:
+                ids.append(self.add_request(pending.popleft()))
+                in_flight.add(ids[-1])
+            if self.step() is None:
+                raise RuntimeError("the engine ran nothing with requests in flight")
+            for rid in [r for r in in_flight if r in self.results]:
+                in_flight.discard(rid)
+                if on_done is not None:
+                    on_done(self.results[rid])
+        return [self.results[rid] for rid in ids]
 
-        The model is causal, so the tokens are padded to the prefill bucket and the padding's logits dropped: every
-        prompt then reuses one set of compiled reference ops instead of compiling them per length.
-        """
-        padded = np.zeros(bucket_size(len(tokens), minimum=self.prefill_tokens), np.int32)
-        padded[:len(tokens)] = tokens
-        return np.asarray(self.model.reference_logits(padded))[:len(tokens)]
+    def serve(self, prompt: Sequence[int]) -> RequestResult:
+        return self.run([prompt])[0]
+
+
+__all__ = ["BASELINE", "ENGINE_MODES", "MODES", "Engine", "EngineConfig", "EngineStats", "HybridRunner",
+           "RequestResult", "Step", "StepRecord"]

@@ -53,12 +53,28 @@ def _attend(q, k, v, valid):
                       preferred_element_type=jnp.float32)
 
 
-def paged_attention(q, k, v, meta: StepMetadata, pools, *, block_size: int, query_tile: int = 64):
+ATTENTION_IMPLEMENTATIONS = ("xla", "pallas_triton")
+
+
+def choose_attention(q, k_pages, implementation: str | None) -> str:
+    """The paged attention that runs: `implementation` when given (it raises if the shapes are not supported), else
+    the plain path ("xla"). The Pallas Triton kernel is checked in interpret mode only until tests/gpu has run it
+    compiled; it is asked for by name (`HybridConfig.attention_implementation`, `bench.serve --attention`)."""
+    if implementation is not None and implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"implementation: paged attention is one of {ATTENTION_IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+    return implementation or "xla"
+
+
+def paged_attention(q, k, v, meta: StepMetadata, pools, *, block_size: int, query_tile: int = 64,
+                    implementation: str | None = None, interpret: bool = False):
     """Writes this step's k, v to the pages named by the block tables (padding tokens write nothing), then each query
     token attends over its row's pages up to its own position.
 
     q [T, Hkv, r, Dk] (rotated and scaled, fp32), k [T, Hkv, Dk], v [T, Hkv, Dv]; pools (k_pages [P, block_size, Hkv,
     Dk], v_pages [P, block_size, Hkv, Dv]). Returns (out fp32 [T, Hkv, r, Dv], (k_pages, v_pages)).
+    `implementation`: "xla" (this plain path, the reference), "pallas_triton" (`attention_pallas_triton`, flash
+    attention over the pages; `interpret=True` runs it in the Pallas interpreter), None: "xla" (`choose_attention`).
     """
     k_pages, v_pages = pools
     num_tokens = q.shape[0]
@@ -73,6 +89,12 @@ def paged_attention(q, k, v, meta: StepMetadata, pools, *, block_size: int, quer
     within = positions % block_size
     k_pages = k_pages.at[page, within].set(k.astype(k_pages.dtype), mode="drop")
     v_pages = v_pages.at[page, within].set(v.astype(v_pages.dtype), mode="drop")
+    if choose_attention(q, k_pages, implementation) == "pallas_triton":
+        from jaxckpt.layers import attention_pallas_triton
+
+        out = attention_pallas_triton.attend(q, k_pages, v_pages, cu, positions, meta.block_tables,
+                                             interpret=interpret)
+        return out, (k_pages, v_pages)
     span = meta.block_tables.shape[1] * block_size
 
     def row_pages(row):
@@ -117,7 +139,8 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, d_model: int, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 rope_theta: float = 10000.0, query_tile: int = 64, dtype=jnp.float32, rngs: nnx.Rngs):
+                 rope_theta: float = 10000.0, query_tile: int = 64, implementation: str | None = None,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads: must divide num_heads={num_heads}, got {num_kv_heads}")
         if head_dim % 2:
@@ -126,6 +149,10 @@ class Attention(nnx.Module):
         self.block_size = block_size
         self.rope_theta = rope_theta
         self.query_tile = query_tile
+        if implementation is not None and implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"implementation: paged attention is one of {ATTENTION_IMPLEMENTATIONS}, "
+                             f"got {implementation!r}")
+        self.implementation = implementation
         self.q_proj = Linear(d_model, num_heads * head_dim, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(d_model, num_kv_heads * head_dim, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(d_model, num_kv_heads * head_dim, dtype=dtype, rngs=rngs)
@@ -152,7 +179,8 @@ class Attention(nnx.Module):
         Returns (out [T, d_model], (k_pages, v_pages)) with this step's K/V written (padding tokens write nothing).
         """
         q, k, v = self._qkv(x, meta.positions)
-        out, pools = paged_attention(q, k, v, meta, pools, block_size=self.block_size, query_tile=self.query_tile)
+        out, pools = paged_attention(q, k, v, meta, pools, block_size=self.block_size, query_tile=self.query_tile,
+                                     implementation=self.implementation)
         return self.o_proj(out.reshape(x.shape[0], -1).astype(x.dtype)), pools
 
     def reference(self, x, *, implementation=None):

@@ -58,6 +58,7 @@ class HybridConfig:
     chunk_size: int = 64
     dtype: str = "float32"
     implementation: str | None = None
+    attention_implementation: str | None = None  # paged attention: "xla" (None) or "pallas_triton"
 
     def __post_init__(self):
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
@@ -150,7 +151,8 @@ def _mixer(config: HybridConfig, layer_type: str, *, dtype, rngs: nnx.Rngs):
     common = dict(chunk_size=c.chunk_size, dtype=dtype, implementation=c.implementation, rngs=rngs)
     if layer_type == "attention":
         return Attention(c.d_model, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                         block_size=c.block_size, rope_theta=c.rope_theta, dtype=dtype, rngs=rngs)
+                         block_size=c.block_size, rope_theta=c.rope_theta, implementation=c.attention_implementation,
+                         dtype=dtype, rngs=rngs)
     if layer_type == "gdn":
         return GatedDeltaNet(c.d_model, num_k_heads=c.gdn_num_k_heads, num_v_heads=c.gdn_num_v_heads,
                              head_k_dim=c.gdn_head_k_dim, head_v_dim=c.gdn_head_v_dim, conv_width=c.conv_width,
