@@ -73,7 +73,9 @@ def _kernel(tile_row_ref, tile_start_ref, tile_len_ref, tile_pos_ref, tables_ref
     def _():
         row, start, first = tile_row_ref[t], tile_start_ref[t], tile_pos_ref[t]
         rows = block_q * num_groups
-        token = jnp.arange(rows, dtype=jnp.int32) // num_groups  # query row -> token of the tile
+        # lax.div / lax.rem, not // and %: jnp's floor forms lower to a sign test the Triton lowering rejects
+        # (every operand here is non-negative, where truncation is the floor)
+        token = jax.lax.div(jnp.arange(rows, dtype=jnp.int32), jnp.int32(num_groups))  # query row -> tile token
         valid = token < length
         q = plt.load(q_ref.at[g, pl.ds(start * num_groups, rows), :], mask=valid[:, None], other=0)  # [R, D]
         q_pos = first + token
@@ -82,10 +84,10 @@ def _kernel(tile_row_ref, tile_start_ref, tile_len_ref, tile_pos_ref, tables_ref
         def body(j, carry):
             m, l, acc = carry
             kv0 = j * block_k
-            page = tables_ref[row, kv0 // page_size]
+            page = tables_ref[row, jax.lax.div(kv0, jnp.int32(page_size))]
             kv_pos = kv0 + jnp.arange(block_k, dtype=jnp.int32)
             readable = (kv_pos <= last)[:, None]
-            within = pl.ds(kv0 % page_size, block_k)
+            within = pl.ds(jax.lax.rem(kv0, jnp.int32(page_size)), block_k)
             k = plt.load(k_ref.at[page, within, g, :], mask=readable, other=0)  # [BK, D]
             v = plt.load(v_ref.at[page, within, g, :], mask=readable, other=0)  # [BK, Dv]
             scores = _dot(q, k, ((1,), (1,)))  # [R, BK]
@@ -99,7 +101,7 @@ def _kernel(tile_row_ref, tile_start_ref, tile_len_ref, tile_pos_ref, tables_ref
 
         init = (jnp.full((rows,), _NEG, _F32), jnp.zeros((rows,), _F32),
                 jnp.zeros((rows, o_ref.shape[-1]), _F32))
-        _, l, acc = jax.lax.fori_loop(0, last // block_k + 1, body, init)
+        _, l, acc = jax.lax.fori_loop(0, jax.lax.div(last, jnp.int32(block_k)) + 1, body, init)
         plt.store(o_ref.at[g, pl.ds(start * num_groups, rows), :], acc / l[:, None], mask=valid[:, None])
 
 

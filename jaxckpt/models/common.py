@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxckpt.layers import Linear, StepMetadata, load_params, validate_step
+from jaxckpt.ops.grouped_matmul import grouped_matmul
 from jaxckpt.plan.rules import model_checkpoint_alignment
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -119,11 +120,12 @@ class SwiGLUMLP(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """E SwiGLU experts of width I as two grouped matmuls (`jax.lax.ragged_dot`) over the token-expert pairs sorted
-    by expert.
+    """E SwiGLU experts of width I as two grouped matmuls (`jaxckpt.ops.grouped_matmul`: a Pallas kernel on the GPU,
+    where XLA's ragged_dot would expand to every pair times every expert) over the token-expert pairs sorted by
+    expert.
 
     gate_up_proj [E, d_model, 2I] ([gate | up] on the last axis), down_proj [E, I, d_model]: [in, out] per expert,
-    the layout ragged_dot takes. Checkpoints name the experts one by one (`experts.{e}.gate_proj.weight` [I, d_model],
+    the layout a grouped matmul takes. Checkpoints name the experts one by one (`experts.{e}.gate_proj.weight` [I, d_model],
     ...) or fused in transformers' memory layout (`experts.gate_up_proj` [E, 2I, d_model]); `stack_experts`
     converts either.
     """
@@ -146,13 +148,13 @@ class Experts(nnx.Module):
         token_of = order // top_k
         sizes = jnp.bincount(flat, length=self.num_experts + 1)[:-1].astype(jnp.int32)  # i32[E]
         precision = _HIGHEST if x.dtype == jnp.float32 else None
-        gate_up = jax.lax.ragged_dot(x[token_of], self.gate_up_proj[...], sizes, precision=precision,
-                                     preferred_element_type=jnp.float32).astype(x.dtype)  # [T * k, 2I]
+        gate_up = grouped_matmul(x[token_of], self.gate_up_proj[...], sizes, precision=precision,
+                                 preferred_element_type=x.dtype)  # [T * k, 2I]
         gate, up = jnp.split(gate_up, 2, axis=-1)
         hidden = jax.nn.silu(gate) * up
-        out = jax.lax.ragged_dot(hidden, self.down_proj[...], sizes, precision=precision,
-                                 preferred_element_type=jnp.float32).astype(x.dtype)  # [T * k, d_model]
-        # the dropped pairs sort last, past every group: ragged_dot leaves their rows unspecified
+        out = grouped_matmul(hidden, self.down_proj[...], sizes, precision=precision,
+                             preferred_element_type=x.dtype)  # [T * k, d_model]
+        # the dropped pairs sort last, past every group
         out = jnp.where(mine[order][:, None], out * weights.reshape(-1)[order][:, None].astype(x.dtype), 0)
         # pairs are in expert order, so each token sums its experts in ascending expert order (as transformers does)
         return jnp.zeros_like(x).at[token_of].add(out)

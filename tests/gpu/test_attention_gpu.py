@@ -69,7 +69,7 @@ def test_flash_matches_plain_on_the_gpu(page, dtype):
 
 def test_model_logits_with_either_attention():
     rng = np.random.default_rng(3)
-    configs = {impl: HybridConfig.bench(layer_types=("gdn", "attention"), max_model_len=4096, block_size=528,
+    configs = {impl: HybridConfig.bench(layer_types=("gdn", "attention"), max_model_len=528 * 8, block_size=528,
                                         vocab_size=4096, attention_implementation=impl, dtype="float32")
                for impl in ("xla", "pallas_triton")}
     model = HybridModel(configs["xla"], rngs=nnx.Rngs(0))
