@@ -95,18 +95,22 @@ def is_traced(*values) -> bool:
 
 
 def flatten_batch(arrays: Sequence, cu_seqlens, *, packed_ndim: int, name: str):
-    """Accepts `[B, T, ...]` inputs (flattened to B packed rows of length T) or packed `[T, ...]` inputs as they are.
+    """Accepts packed `[T, ...]` inputs as they are, dense `[B, T, ...]` inputs (B packed rows of length T), and
+    `[1, T, ...]` inputs with `cu_seqlens` (FLA's, FlashQLA's and vLLM's varlen convention: the rows packed along T).
 
-    `packed_ndim` is the rank of the first array in packed form. Returns (packed arrays, cu_seqlens, batch shape or
-    None).
+    `packed_ndim` is the rank of the first array in packed form. Returns (packed arrays, cu_seqlens, the batch shape
+    the outputs take back, or None).
     """
     first = arrays[0]
     if first.ndim != packed_ndim + 1:
         return list(arrays), cu_seqlens, None
-    if cu_seqlens is not None:
-        raise ValueError(f"cu_seqlens: must be None for batched [B, T, ...] inputs, got {name} of shape {first.shape}")
     batch, length = first.shape[:2]
     packed = [None if a is None else a.reshape(batch * length, *a.shape[2:]) for a in arrays]
+    if cu_seqlens is not None:
+        if batch != 1:
+            raise ValueError(f"cu_seqlens: with [B, T, ...] inputs the rows are packed along T, so B must be 1 "
+                             f"(FLA's varlen convention), got {name} of shape {first.shape}")
+        return packed, cu_seqlens, (1, length)
     return packed, np.arange(batch + 1, dtype=np.int32) * length, (batch, length)
 
 

@@ -24,7 +24,7 @@ def causal_conv1d(x, weight, bias=None, *, activation="silu", initial_state=None
                   checkpoint_offsets=None, implementation=None):
     """Depthwise causal conv over packed rows; the state is the last W - 1 raw inputs, [N, D, W - 1] oldest first.
 
-    x               # [T, D] (or [B, T, D] with cu_seqlens=None)
+    x               # [T, D]; or [B, T, D] with cu_seqlens=None; or [1, T, D] with cu_seqlens (FLA's varlen form)
     weight          # [D, W], W in 2..4; bias [D]; activation None or "silu"
     The checkpoint at offset p is the W - 1 raw inputs before p (from the incoming state near the row start): exact
     copies in x's dtype. Returns (y [T, D], final_state [N, D, W - 1], checkpoint_states [M, D, W - 1]).

@@ -22,7 +22,8 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initi
                      checkpoint_method="in_chunk", num_decodes=0, chunk_size=64, kernel_options=None):
     """Gated DeltaNet over packed varlen rows, exporting the state at every checkpoint in the same pass.
 
-    q, k            # [T, H, K] (or [B, T, H, K] with cu_seqlens=None: B rows of length T)
+    q, k            # [T, H, K]; or [B, T, H, K] with cu_seqlens=None (B rows of length T); or [1, T, H, K] with
+                    # cu_seqlens (FLA's varlen form); the output takes the same leading shape
     v               # [T, HV, V]; HV a multiple of H (value head h reads key head h // (HV // H))
     g               # [T, HV] log decay (<= 0)
     beta            # [T, HV]

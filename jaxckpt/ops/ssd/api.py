@@ -49,7 +49,7 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
         checkpoint_method="in_chunk", num_decodes=0, chunk_size=64, kernel_options=None):
     """Mamba2's SSD over packed varlen rows, exporting the state at every checkpoint in the same pass.
 
-    x               # [T, H, P] (or [B, T, H, P] with cu_seqlens=None)
+    x               # [T, H, P]; or [B, T, H, P] with cu_seqlens=None; or [1, T, H, P] with cu_seqlens (FLA's form)
     dt              # [T, H] raw: delta = softplus(dt + dt_bias), clamped to dt_limit=(lo, hi) when given
     A               # [H] negative
     B, C            # [T, G, N]; head h reads group h // (H // G)
