@@ -122,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--plot", metavar="FILE.png", default=None, help="TTFT per prompt per mode (matplotlib)")
     parser.add_argument("--json", metavar="FILE", default=None, help="write the numbers as JSON")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--model", metavar="DIR", default=None,
+                        help="a Hugging Face folder (config.json, *.safetensors) of a Qwen3-Next, Kimi-Linear or "
+                             "GraniteMoeHybrid model to serve instead of the tiny hybrid")
     parser.add_argument("--devices", type=int, default=None, metavar="N",
                         help="split the model by head over the first N devices (GPUs, or N host devices on the CPU); "
                              "any N, 1 included, uses the tiny model with head counts divisible by 8")
@@ -158,6 +161,8 @@ def _check(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"--{name.replace('_', '-')}: must be non-negative, got {getattr(args, name)}")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot: needs matplotlib (pip install 'jaxckpt[bench]')")
+    if args.model is not None and args.devices is not None:
+        raise ValueError("--devices: the engine splits only the tiny hybrid by head; drop it with --model")
     if args.devices is not None:
         if args.devices < 1:
             raise ValueError(f"--devices: must be positive, got {args.devices}")
@@ -167,6 +172,21 @@ def _check(args: argparse.Namespace) -> list[str]:
                              "which starts JAX with N host devices")
     return modes
 
+
+PUBLISHED = {"qwen3_next": "Qwen3NextForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
+             "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
+
+
+def load_published(path: str, *, block_size: int, max_model_len: int):
+    """The `jaxckpt.models` class for the folder's `model_type`, loaded by the files' own names."""
+    from jaxckpt import models
+    from jaxckpt.models.common import read_config
+
+    model_type = read_config(path).get("model_type")
+    if model_type not in PUBLISHED:
+        raise ValueError(f"--model: {path} holds model_type {model_type!r}; the demo serves {sorted(PUBLISHED)}")
+    return getattr(models, PUBLISHED[model_type]).from_pretrained(path, block_size=block_size,
+                                                                 max_model_len=max_model_len)
 
 def run(args: argparse.Namespace) -> int:
     modes = _check(args)
@@ -180,14 +200,23 @@ def run(args: argparse.Namespace) -> int:
     prefill_tokens = args.prefill_tokens or bucket_size(longest, minimum=64)
     # the tiny model's length, unless the workload needs more; a whole number of blocks either way
     max_model_len = -(-max(HybridConfig.tiny().max_model_len, longest + args.max_new_tokens) // block) * block
-    if args.devices is None:
-        config, mesh = HybridConfig.tiny(block_size=block, max_model_len=max_model_len), None
+    mesh = None
+    if args.model is not None:
+        model = load_published(args.model, block_size=block, max_model_len=max_model_len)
+        config, layer_types = model.config, model.config.kinds
+        # the workload's byte tokens, folded into the model's vocabulary
+        prompts = [dataclasses.replace(p, tokens=[t % config.vocab_size for t in p.tokens]) for p in prompts]
+        name = f"{type(model).__name__} from {args.model}"
     else:
-        from jaxckpt.models.sharded import head_mesh
+        if args.devices is None:
+            config = HybridConfig.tiny(block_size=block, max_model_len=max_model_len)
+        else:
+            from jaxckpt.models.sharded import head_mesh
 
-        config = HybridConfig.tiny_sharded(block_size=block, max_model_len=max_model_len)
-        mesh = head_mesh(args.devices)
-    model = HybridModel(config, rngs=nnx.Rngs(args.seed))
+            config = HybridConfig.tiny_sharded(block_size=block, max_model_len=max_model_len)
+            mesh = head_mesh(args.devices)
+        model = HybridModel(config, rngs=nnx.Rngs(args.seed))
+        layer_types, name = config.layer_types, "tiny hybrid model"
     runner = HybridRunner(model, prefill_tokens=prefill_tokens, num_rows=args.concurrency, mesh=mesh)
     max_blocks = config.max_model_len // block
     # room for every prompt's pages and states: the demo measures hits, not eviction
@@ -196,14 +225,14 @@ def run(args: argparse.Namespace) -> int:
                          max_new_tokens=args.max_new_tokens, max_num_scheduled_tokens=prefill_tokens,
                          max_num_seqs=args.concurrency)
     placement = "one device" if mesh is None else f"split by head over {args.devices} device(s)"
-    print(f"jaxckpt demo: tiny hybrid model ({', '.join(config.layer_types)}), block {block}, "
+    print(f"jaxckpt demo: {name} ({', '.join(layer_types)}), block {block}, "
           f"{jax.default_backend()}, {placement}, {len(prompts)} prompts per mode at concurrency {args.concurrency}, "
           f"alignment {model.checkpoint_alignment()}")
 
     references: dict[tuple, np.ndarray] = {}
     report = {"backend": jax.default_backend(), "device": str(jax.devices()[0]), "devices": args.devices,
               "block_size": block, "concurrency": args.concurrency,
-              "layer_types": list(config.layer_types), "prompts": len(prompts), "modes": {}}
+              "model": args.model, "layer_types": list(layer_types), "prompts": len(prompts), "modes": {}}
     results: dict[str, list[RequestResult]] = {}
     progress = _Progress(len(prompts) * len(modes), enabled=not args.no_progress and sys.stderr.isatty())
     worst = 0.0

@@ -166,3 +166,25 @@ def test_config_reads_the_published_form_and_rejects_what_it_cannot_run():
             Qwen3NextConfig.from_hf(published | change)
     with pytest.raises(ValueError, match="max_model_len"):
         Qwen3NextConfig.from_hf(published, block_size=16, max_model_len=1000)
+
+
+def test_demo_serves_the_folder(capsys):
+    """`jaxckpt demo --model DIR` loads the folder by its config's model_type and serves it in every mode; the demo
+    itself checks each request's first logits against the uncached forward (exit status 1 on a miss)."""
+    from jaxckpt.engine.demo import main
+
+    _, _, folder = _models()
+    status = main(["--model", folder, "--block-size", "8", "--families", "1", "--members", "2", "--conversations", "0",
+                   "--unique-tails", "2", "--max-new-tokens", "2", "--tolerance", "1e-5", "--no-progress"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "Qwen3NextForCausalLM" in out and "parity: " in out
+
+
+def test_demo_names_a_folder_it_cannot_serve(tmp_path, capsys):
+    from jaxckpt.engine.demo import main
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert main(["--model", str(tmp_path), "--no-progress"]) != 0
+    err = capsys.readouterr().err
+    assert "--model: " in err and "'llama'" in err, err
