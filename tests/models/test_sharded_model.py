@@ -1,4 +1,4 @@
-"""The head-sharded hybrid model, engine and layers on 1, 2, 4 and 8 fake CPU devices match the single-device ones.
+"""The head-sharded hybrid model, engine and layers on 1, 2 and 8 fake CPU devices match the single-device ones.
 
 The device count is fixed when jax starts, so the checks run in one subprocess; it asks for 8 host devices the way
 `jaxckpt demo --devices 8` does (`jaxckpt.cli.request_host_devices`, before jax is imported) and prints one summary
@@ -80,7 +80,7 @@ single, _ = run_steps(lambda *a: forward(graphdef, state, *a), model.init_caches
                       lambda caches: caches)
 single_caches = tuple(tuple(pools) for pools in single[-1][1])
 worst = 0.0
-for n in (1, 2, 4, 8):
+for n in (1, 2, 8):  # 4 devices: tests/models/test_sharded_published.py
     sharded = ShardedHybrid(model, head_mesh(n))
     # the decode step compiles a second program; once, on the widest mesh, keeps the test short
     steps = STEPS if n == 8 else STEPS[:2]
@@ -98,7 +98,7 @@ for n in (1, 2, 4, 8):
     back = sharded.unshard_caches(sharded.shard_caches(Caches(single_caches, config.layer_types)))
     assert all(np.array_equal(a, b, equal_nan=True) for pools, want in zip(back.layers, single_caches)
                for a, b in zip(pools, want))
-print(f"model: meshes 1 2 4 8 ok worst_rel={worst:.1e}")
+print(f"model: meshes 1 2 8 ok worst_rel={worst:.1e}")
 
 # the engine over the sharded runner: `second` resumes from a checkpoint slot the first prompt's shards wrote
 runner = HybridRunner(model, mesh=head_mesh(8), prefill_tokens=64, fill=float("nan"))
@@ -149,11 +149,11 @@ print("indivisible: ValueError", " ".join(errors))
 def test_sharded_model_matches_single_device():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env |= {"JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=400,
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert any(line.startswith("model: meshes 1 2 4 8 ok") for line in lines), result.stdout
+    assert any(line.startswith("model: meshes 1 2 8 ok") for line in lines), result.stdout
     assert "engine: mesh 8 ok" in lines, result.stdout
     assert any(line.startswith("layers: mesh 8 ok") for line in lines), result.stdout
     assert "indivisible: ValueError num_heads axis num_devices" in lines, result.stdout

@@ -25,8 +25,13 @@ BUCKETS = {
     "ssd": Bucket("ssd", tokens=64, rows=3, checkpoints=4, heads=2, v_heads=1, key=16, value=32),
     "conv1d": Bucket("conv1d", tokens=64, rows=3, checkpoints=4, heads=8, key=4),
 }
+# sequence_parallel picks its pieces from the shapes on the host, then runs one jitted function (tested below);
+# SSD's XLA path runs op by op: compiling it whole crashed a CI worker once (a segfault in XLA's CPU compile of a
+# long bf16 row, not reproduced alone), so it stays eager until that is understood
+EAGER = {("ssd", "xla")}
 IMPLEMENTATIONS = [(op, name, path) for op, registry in [("gdn", GDN), ("kda", KDA), ("ssd", SSD), ("conv1d", CONV1D)]
-                   for name, path in registry.items() if name not in ("reference", "sequence_parallel")]
+                   for name, path in registry.items()
+                   if name not in ("reference", "sequence_parallel") and (op, name) not in EAGER]
 
 
 @pytest.mark.parametrize("op,name,path", IMPLEMENTATIONS, ids=[f"{op}-{name}" for op, name, _ in IMPLEMENTATIONS])
@@ -52,7 +57,6 @@ def test_xla_second_call_compiles_nothing(op):
 
 @pytest.mark.parametrize("op", ["gdn", "kda"])
 def test_sequence_parallel_second_call_compiles_nothing(op):
-    # it picks its pieces from the shapes on the host, then runs one jitted function
     assert _compiles_of_second_call(op, "sequence_parallel") == []
 
 

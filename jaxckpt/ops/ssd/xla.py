@@ -19,8 +19,6 @@ near fp32 accuracy. y comes back in x.dtype, states in the compute dtype.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -36,7 +34,6 @@ CHECKPOINT_METHODS = ("in_chunk", "forced_break")
 STATE_PASSES = ("associative", "sequential")
 
 
-@functools.partial(jax.jit, static_argnames=("dt_limit", "state_layout", "chunk_size", "checkpoint_method", "state_pass"))
 def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_state=None, cu_seqlens=None,
         checkpoint_cu=None, checkpoint_offsets=None, state_layout="vk", chunk_size=64,
         checkpoint_method="in_chunk", state_pass="associative"):
