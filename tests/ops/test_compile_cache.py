@@ -14,10 +14,6 @@ from jaxckpt.ops.kda.api import REGISTRY as KDA
 from jaxckpt.ops.ssd.api import REGISTRY as SSD
 from tests.ops.fuzz_cases import Bucket, call, random_batch
 
-_compiles = []  # names of the functions compiled, in order
-jax.monitoring.register_event_duration_secs_listener(
-    lambda event, duration, fun_name=None, **_: _compiles.append(fun_name)
-    if event == "/jax/core/compile/backend_compile_duration" else None)
 
 BUCKETS = {
     "gdn": Bucket("gdn", tokens=64, rows=3, checkpoints=4, heads=2, v_heads=4, key=16, value=16),
@@ -44,10 +40,19 @@ def _compiles_of_second_call(op, implementation, **options):
     rng = np.random.default_rng()
     first, second = random_batch(rng, BUCKETS[op]), random_batch(rng, BUCKETS[op])
     jax.block_until_ready(call(first, implementation, **options))
-    before = len(_compiles)
-    jax.block_until_ready(call(second, implementation, **options))
+    compiled = []  # names of the functions compiled by the second call
+
+    def listener(event, duration, fun_name=None, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.block_until_ready(call(second, implementation, **options))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
     # eager host-to-device copies compile a small `stage` program once per shape
-    return [name for name in _compiles[before:] if name != "stage"]
+    return [name for name in compiled if name != "stage"]
 
 
 @pytest.mark.parametrize("op", sorted(BUCKETS))
