@@ -27,8 +27,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from jaxckpt.plan.conventions import (NULL_SLOT, map_vllm_slots, validate_checkpoints, validate_cu_seqlens,
-                                      validate_slots)
+from jaxckpt.plan.conventions import (NULL_SLOT, check_int_array, map_vllm_slots, validate_checkpoints,
+                                      validate_cu_seqlens, validate_slots)
 
 _METADATA = ("cu_seqlens", "checkpoint_cu", "checkpoint_offsets")
 
@@ -82,12 +82,17 @@ def host_ints(value, *, name: str) -> np.ndarray:
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise ValueError(f"{name}: must be an integer tensor, got {value.dtype}")
         value = value.detach().cpu().numpy()
-    array = np.asarray(value)
-    if array.ndim != 1:
-        raise ValueError(f"{name}: must be 1-D, got shape {array.shape}")
-    if array.size and not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{name}: must hold integers, got dtype {array.dtype}")
-    return array.astype(np.int64)
+    return check_int_array(value, name=name)
+
+
+def vllm_slots(value, num_slots: int, size: int, *, name: str, per: str) -> np.ndarray:
+    """i32[size] slots into a pool of `num_slots` (one per `per`), vLLM's -1 padding mapped to the null slot."""
+    raw = host_ints(value, name=name)
+    if raw.size != size:
+        raise ValueError(f"{name}: needs {size} slots (one per {per}), got {raw.size}")
+    if raw.size and raw.min() < -1:
+        raise ValueError(f"{name}: vLLM slots must be >= -1, got {int(raw.min())}")
+    return validate_slots(map_vllm_slots(raw), num_slots, name=name)
 
 
 def host_flags(value, num_rows: int, *, name: str) -> np.ndarray:
@@ -127,21 +132,16 @@ def pool_slots(num_slots: int, num_rows: int, checkpoint_cu, num_checkpoints: in
                has_initial_state, final_state_indices, checkpoint_state_indices=None) -> PoolSlots:
     """Validates the slot arguments of a paged call (vLLM -1 slots mapped to the null slot) before anything runs."""
     tables = {}
-    for name, value, size in (("initial_state_indices", initial_state_indices, num_rows),
-                              ("final_state_indices", final_state_indices, num_rows),
-                              ("checkpoint_state_indices", checkpoint_state_indices, num_checkpoints)):
+    for name, value, size, per in (("initial_state_indices", initial_state_indices, num_rows, "row"),
+                                   ("final_state_indices", final_state_indices, num_rows, "row"),
+                                   ("checkpoint_state_indices", checkpoint_state_indices, num_checkpoints,
+                                    "checkpoint")):
         if value is None:
             if size and name != "checkpoint_state_indices":
                 raise ValueError(f"{name}: required")
             tables[name] = np.full(size, NULL_SLOT, np.int32)
             continue
-        raw = host_ints(value, name=name)
-        if raw.size != size:
-            raise ValueError(f"{name}: needs {size} slots (one per {'row' if size == num_rows else 'checkpoint'}), "
-                             f"got {raw.size}")
-        if raw.size and raw.min() < -1:
-            raise ValueError(f"{name}: vLLM slots must be >= -1, got {int(raw.min())}")
-        tables[name] = validate_slots(map_vllm_slots(raw), num_slots, name=name)
+        tables[name] = vllm_slots(value, num_slots, size, name=name, per=per)
     flags = host_flags(has_initial_state, num_rows, name="has_initial_state")
     checkpoint = tables["checkpoint_state_indices"].copy()
     checkpoint[int(np.asarray(checkpoint_cu)[-1]):] = NULL_SLOT

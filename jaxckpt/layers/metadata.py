@@ -18,21 +18,13 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jaxckpt.plan.conventions import NULL_SLOT, PAD_CHECKPOINT_OFFSET, validate_checkpoints, validate_slots
+from jaxckpt.plan.conventions import (NULL_SLOT, PAD_CHECKPOINT_OFFSET, check_int_array, validate_checkpoints,
+                                      validate_slots)
 from jaxckpt.plan.layout import bucket_size
 
 _ARRAY_FIELDS = ("cu_seqlens", "positions", "context_lens", "block_tables", "initial_state_indices",
                  "has_initial_state", "final_state_indices", "checkpoint_cu", "checkpoint_offsets",
                  "checkpoint_state_indices")
-
-
-def _int_vector(value, *, name: str) -> np.ndarray:
-    array = np.asarray(value)
-    if array.ndim != 1:
-        raise ValueError(f"{name}: must be 1-D, got shape {array.shape}")
-    if array.size and not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{name}: must hold integers, got dtype {array.dtype}")
-    return array.astype(np.int64)
 
 
 def _padded(values, size: int, fill, dtype) -> np.ndarray:
@@ -96,7 +88,7 @@ class StepMetadata:
         `num_tokens`, `num_rows`, `num_checkpoints`, `max_blocks` fix the padded sizes (default: the next bucket,
         `jaxckpt.plan.bucket_size`). Bad input raises ValueError naming the argument.
         """
-        lens = _int_vector(query_lens, name="query_lens")
+        lens = check_int_array(query_lens, name="query_lens")
         if lens.size == 0:
             raise ValueError("query_lens: empty batch, a step needs at least one row")
         if np.any(lens <= 0):
@@ -107,7 +99,7 @@ class StepMetadata:
         if np.any(lens[:num_decodes] != 1):
             raise ValueError(f"num_decodes: the first {num_decodes} rows must hold one token each, got "
                              f"query_lens {lens[:num_decodes].tolist()}")
-        ctx = _int_vector(context_lens, name="context_lens")
+        ctx = check_int_array(context_lens, name="context_lens")
         if ctx.size != n:
             raise ValueError(f"context_lens: needs one entry per row ({n}), got {ctx.size}")
         if np.any(ctx < 0):

@@ -11,8 +11,8 @@ Padded CSR entries and entries whose slot is the null slot write nothing. Every 
 whose slot offset passes 2^31 elements work.
 
 Everything is validated on the host before the launch (index arguments may be device tensors; they are read back once).
-vLLM pads slot tables with -1: every slot argument goes through `jaxckpt.plan.conventions.map_vllm_slots` here, so
--1 and vLLM's null block 0 both become our `NULL_SLOT` and are skipped.
+vLLM pads slot tables with -1: every slot argument goes through `torch_bridge.interop.vllm_slots` here, so -1 and
+vLLM's null block 0 both become our `NULL_SLOT` and are skipped.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from jaxckpt.plan.conventions import (NULL_SLOT, check_positive, check_state_layout, checkpoint_rows, map_vllm_slots,
-                                      validate_checkpoints, validate_cu_seqlens, validate_slots)
+from jaxckpt.plan.conventions import (NULL_SLOT, check_positive, check_state_layout, checkpoint_rows,
+                                      validate_checkpoints, validate_cu_seqlens)
+from torch_bridge.interop import host_flags, host_ints, vllm_slots
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK = 512
@@ -81,25 +82,6 @@ def _export_checkpoints_kernel(
                         + b * stride_source_b, mask=in_state, other=0.0)
         tl.store(pool_ptr + slot * stride_pool_s + head * stride_pool_h + a * stride_pool_a + b * stride_pool_b,
                  state.to(pool_ptr.dtype.element_ty), mask=in_state)
-
-
-def _host_ints(value, *, name: str) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise ValueError(f"{name}: must be an integer tensor, got {value.dtype}")
-        value = value.detach().cpu().numpy()
-    array = np.asarray(value)
-    if array.ndim != 1:
-        raise ValueError(f"{name}: must be 1-D, got shape {array.shape}")
-    if array.size and not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{name}: must hold integers, got dtype {array.dtype}")
-    return array.astype(np.int64)
-
-
-def _slots(values: np.ndarray, num_slots: int, *, name: str) -> np.ndarray:
-    if values.size and values.min() < -1:
-        raise ValueError(f"{name}: vLLM slots must be >= -1, got {int(values.min())}")
-    return validate_slots(map_vllm_slots(values), num_slots, name=name)
 
 
 def _device_ints(array, device: torch.device) -> torch.Tensor:
@@ -163,17 +145,14 @@ def export_checkpoints(x, conv_state_pool, cu_seqlens, checkpoint_cu, checkpoint
         raise ValueError(f"conv_width: W - 1 = {state_len} must be in [1, {conv_state_pool.shape[2]}] "
                          "(conv_state_pool's last dimension)")
 
-    cu = validate_cu_seqlens(None if cu_seqlens is None else _host_ints(cu_seqlens, name="cu_seqlens"), num_tokens)
+    cu = validate_cu_seqlens(None if cu_seqlens is None else host_ints(cu_seqlens, name="cu_seqlens"), num_tokens)
     num_rows = cu.size - 1
-    ccu, offsets = validate_checkpoints(_host_ints(checkpoint_cu, name="checkpoint_cu"),
-                                        _host_ints(checkpoint_offsets, name="checkpoint_offsets"), cu)
+    ccu, offsets = validate_checkpoints(host_ints(checkpoint_cu, name="checkpoint_cu"),
+                                        host_ints(checkpoint_offsets, name="checkpoint_offsets"), cu)
     num_entries = offsets.size
     num_real = int(ccu[-1])
-    slots_raw = _host_ints(checkpoint_state_indices, name="checkpoint_state_indices")
-    if slots_raw.size != num_entries:
-        raise ValueError(f"checkpoint_state_indices: needs one slot per checkpoint entry ({num_entries}), "
-                         f"got {slots_raw.size}")
-    slots = _slots(slots_raw, num_slots, name="checkpoint_state_indices")
+    slots = vllm_slots(checkpoint_state_indices, num_slots, num_entries, name="checkpoint_state_indices",
+                       per="checkpoint entry")
     slots[num_real:] = NULL_SLOT
     written = slots[:num_real][slots[:num_real] != NULL_SLOT]
     if np.unique(written).size != written.size:
@@ -198,21 +177,13 @@ def export_checkpoints(x, conv_state_pool, cu_seqlens, checkpoint_cu, checkpoint
                                  f"initial_state_indices, got {initial_conv_states.shape[0]}")
             initial_refs = np.arange(num_rows, dtype=np.int64)
         else:
-            idx = _host_ints(initial_state_indices, name="initial_state_indices")
-            if idx.size != num_rows:
-                raise ValueError(f"initial_state_indices: needs one slot per row (N={num_rows}), got {idx.size}")
-            idx = _slots(idx, initial_conv_states.shape[0], name="initial_state_indices")
+            idx = vllm_slots(initial_state_indices, initial_conv_states.shape[0], num_rows,
+                             name="initial_state_indices", per="row")
             if np.intersect1d(written, idx[idx != NULL_SLOT]).size:
                 raise ValueError("checkpoint_state_indices: a checkpoint slot is also a row's initial-state slot")
             initial_refs = np.where(idx == NULL_SLOT, -1, idx).astype(np.int64)
         if has_initial_state is not None:
-            flags = has_initial_state
-            if isinstance(flags, torch.Tensor):
-                flags = flags.detach().cpu().numpy()
-            flags = np.asarray(flags)
-            if flags.shape != (num_rows,) or flags.dtype != np.bool_:
-                raise ValueError(f"has_initial_state: expected bool[N] with N={num_rows}, got {flags.dtype} "
-                                 f"shape {flags.shape}")
+            flags = host_flags(has_initial_state, num_rows, name="has_initial_state")
             initial_refs = np.where(flags, initial_refs, -1)
     elif initial_state_indices is not None or has_initial_state is not None:
         raise ValueError("initial_conv_states: required when initial_state_indices or has_initial_state is given")
@@ -244,7 +215,7 @@ def export_checkpoints(x, conv_state_pool, cu_seqlens, checkpoint_cu, checkpoint
                 raise ValueError(f"recurrent_checkpoints: expected one state per checkpoint entry (M={num_entries}) "
                                  f"without recurrent_row_ids, got {recurrent_checkpoints.shape[0]}")
         else:
-            ids = _host_ints(recurrent_row_ids, name="recurrent_row_ids")
+            ids = host_ints(recurrent_row_ids, name="recurrent_row_ids")
             if ids.size != num_entries:
                 raise ValueError(f"recurrent_row_ids: needs one row per checkpoint entry ({num_entries}), "
                                  f"got {ids.size}")
