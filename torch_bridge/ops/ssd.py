@@ -73,28 +73,49 @@ def _cumsum_kernel(dt_ptr, A_ptr, dt_bias_ptr, chunk_start_ptr, chunk_len_ptr, d
 
 
 @triton.jit
+def _tile(BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """This program's head and P block, and the N and chunk-token ranges."""
+    h = tl.program_id(1).to(tl.int64)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    return h, p, tl.arange(0, BLOCK_N), tl.arange(0, CHUNK)
+
+
+@triton.jit
+def _chunk(chunk_start_ptr, chunk_len_ptr, i):
+    """This program's chunk, its first token, and which of the chunk's CHUNK token slots hold tokens."""
+    c = tl.program_id(0).to(tl.int64)
+    return c, tl.load(chunk_start_ptr + c).to(tl.int64), i < tl.load(chunk_len_ptr + c)
+
+
+@triton.jit
+def _state_offsets(h, p, n, dim_p, dim_n):
+    """Offsets of head h's [BLOCK_P, BLOCK_N] tile inside one [H, P, N] state, and its mask."""
+    return (h * dim_p + p[:, None]) * dim_n + n[None, :], (p < dim_p)[:, None] & (n < dim_n)[None, :]
+
+
+@triton.jit
+def _load_tokens(ptr, start, i, take, head, cols, width, stride_t, stride_h, stride_c):
+    """fp32 [CHUNK, BLOCK] of tokens start + i (zeros where not `take`), head or group `head`, columns `cols`."""
+    return tl.load(ptr + (start + i)[:, None] * stride_t + head * stride_h + cols[None, :] * stride_c,
+                   mask=take[:, None] & (cols < width)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _chunk_state_kernel(x_ptr, B_ptr, delta_ptr, acs_ptr, chunk_start_ptr, chunk_len_ptr, states_ptr,
                         stride_x_t, stride_x_h, stride_x_p, stride_b_t, stride_b_g, stride_b_n,
                         num_heads, dim_p, dim_n, heads_per_group,
                         CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                         PRECISION: tl.constexpr):
-    c = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    i = tl.arange(0, CHUNK)
-    start = tl.load(chunk_start_ptr + c).to(tl.int64)
-    valid = i < tl.load(chunk_len_ptr + c)
+    h, p, n, i = _tile(BLOCK_P, BLOCK_N, CHUNK)
+    c, start, valid = _chunk(chunk_start_ptr, chunk_len_ptr, i)
     base = (c * num_heads + h) * CHUNK
     acs = tl.load(acs_ptr + base + i)
     weight = tl.where(valid, tl.exp(tl.load(acs_ptr + base + CHUNK - 1) - acs) * tl.load(delta_ptr + base + i), 0.0)
-    x = tl.load(x_ptr + (start + i)[:, None] * stride_x_t + h * stride_x_h + p[None, :] * stride_x_p,
-                mask=valid[:, None] & (p < dim_p)[None, :], other=0.0).to(tl.float32)        # [CHUNK, BLOCK_P]
-    b = tl.load(B_ptr + (start + i)[:, None] * stride_b_t + (h // heads_per_group) * stride_b_g
-                + n[None, :] * stride_b_n, mask=valid[:, None] & (n < dim_n)[None, :], other=0.0).to(tl.float32)
+    x = _load_tokens(x_ptr, start, i, valid, h, p, dim_p, stride_x_t, stride_x_h, stride_x_p)     # [CHUNK, BLOCK_P]
+    b = _load_tokens(B_ptr, start, i, valid, h // heads_per_group, n, dim_n, stride_b_t, stride_b_g, stride_b_n)
     state = tl.dot(tl.trans(x * weight[:, None]), b, input_precision=PRECISION)            # [BLOCK_P, BLOCK_N]
-    offs = ((c * num_heads + h) * dim_p + p[:, None]) * dim_n + n[None, :]
-    tl.store(states_ptr + offs, state, mask=(p < dim_p)[:, None] & (n < dim_n)[None, :])
+    offs, mask = _state_offsets(h, p, n, dim_p, dim_n)
+    tl.store(states_ptr + c * num_heads * dim_p * dim_n + offs, state, mask=mask)
 
 
 @triton.jit
@@ -102,11 +123,8 @@ def _state_passing_kernel(states_ptr, acs_ptr, initial_ptr, final_ptr, row_first
                           num_heads, dim_p, dim_n,
                           CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    mask = (p < dim_p)[:, None] & (n < dim_n)[None, :]
-    offs = (h * dim_p + p[:, None]) * dim_n + n[None, :]
+    h, p, n, _ = _tile(BLOCK_P, BLOCK_N, CHUNK)
+    offs, mask = _state_offsets(h, p, n, dim_p, dim_n)
     size = num_heads * dim_p * dim_n
     state = tl.load(initial_ptr + r * size + offs, mask=mask, other=0.0)
     first = tl.load(row_first_ptr + r).to(tl.int64)
@@ -127,10 +145,7 @@ def _checkpoint_kernel(x_ptr, B_ptr, delta_ptr, acs_ptr, states_ptr, chunk_start
                        CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                        PRECISION: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    i = tl.arange(0, CHUNK)
+    h, p, n, i = _tile(BLOCK_P, BLOCK_N, CHUNK)
     c = tl.load(ckpt_chunk_ptr + m).to(tl.int64)
     r = tl.load(ckpt_pos_ptr + m)
     start = tl.load(chunk_start_ptr + c).to(tl.int64)
@@ -141,13 +156,10 @@ def _checkpoint_kernel(x_ptr, B_ptr, delta_ptr, acs_ptr, states_ptr, chunk_start
     ref = tl.where(r > 0, tl.load(acs_ptr + base + tl.maximum(r - 1, 0)), 0.0)
     # masked before the exp: past token r the ratio Acs_{r-1} - Acs_i is positive and can overflow
     weight = tl.exp(tl.where(take, ref - acs, -1.0e30)) * tl.load(delta_ptr + base + i)
-    x = tl.load(x_ptr + (start + i)[:, None] * stride_x_t + h * stride_x_h + p[None, :] * stride_x_p,
-                mask=take[:, None] & (p < dim_p)[None, :], other=0.0).to(tl.float32)
-    b = tl.load(B_ptr + (start + i)[:, None] * stride_b_t + (h // heads_per_group) * stride_b_g
-                + n[None, :] * stride_b_n, mask=take[:, None] & (n < dim_n)[None, :], other=0.0).to(tl.float32)
-    mask = (p < dim_p)[:, None] & (n < dim_n)[None, :]
+    x = _load_tokens(x_ptr, start, i, take, h, p, dim_p, stride_x_t, stride_x_h, stride_x_p)
+    b = _load_tokens(B_ptr, start, i, take, h // heads_per_group, n, dim_n, stride_b_t, stride_b_g, stride_b_n)
+    offs, mask = _state_offsets(h, p, n, dim_p, dim_n)
     size = num_heads * dim_p * dim_n
-    offs = (h * dim_p + p[:, None]) * dim_n + n[None, :]
     entering = tl.load(states_ptr + c * size + offs, mask=mask, other=0.0)
     state = tl.exp(ref) * entering + tl.dot(tl.trans(x * weight[:, None]), b, input_precision=PRECISION)
     tl.store(out_ptr + m * size + offs, state, mask=mask)
@@ -160,39 +172,28 @@ def _scan_kernel(x_ptr, B_ptr, C_ptr, z_ptr, D_ptr, y_ptr, delta_ptr, acs_ptr, s
                  stride_y_t, stride_y_h, stride_y_p, num_heads, dim_p, dim_n, heads_per_group,
                  HAS_Z: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                  PRECISION: tl.constexpr):
-    c = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    i = tl.arange(0, CHUNK)
-    start = tl.load(chunk_start_ptr + c).to(tl.int64)
-    valid = i < tl.load(chunk_len_ptr + c)
+    h, p, n, i = _tile(BLOCK_P, BLOCK_N, CHUNK)
+    c, start, valid = _chunk(chunk_start_ptr, chunk_len_ptr, i)
     base = (c * num_heads + h) * CHUNK
     acs = tl.load(acs_ptr + base + i)
     delta = tl.load(delta_ptr + base + i)
     group = h // heads_per_group
-    in_n = valid[:, None] & (n < dim_n)[None, :]
-    cm = tl.load(C_ptr + (start + i)[:, None] * stride_c_t + group * stride_c_g + n[None, :] * stride_c_n,
-                 mask=in_n, other=0.0).to(tl.float32)                                          # [CHUNK, BLOCK_N]
-    bm = tl.load(B_ptr + (start + i)[:, None] * stride_b_t + group * stride_b_g + n[None, :] * stride_b_n,
-                 mask=in_n, other=0.0).to(tl.float32)
+    cm = _load_tokens(C_ptr, start, i, valid, group, n, dim_n, stride_c_t, stride_c_g, stride_c_n)  # [CHUNK, BLOCK_N]
+    bm = _load_tokens(B_ptr, start, i, valid, group, n, dim_n, stride_b_t, stride_b_g, stride_b_n)
     causal = (i[:, None] >= i[None, :]) & valid[None, :]
     # masked before the exp: Acs_i - Acs_j for j > i is positive and can overflow
     decay = tl.exp(tl.where(causal, acs[:, None] - acs[None, :], -1.0e30))
     scores = tl.dot(cm, tl.trans(bm), input_precision=PRECISION) * decay * delta[None, :]   # [CHUNK, CHUNK]
-    in_p = valid[:, None] & (p < dim_p)[None, :]
-    x = tl.load(x_ptr + (start + i)[:, None] * stride_x_t + h * stride_x_h + p[None, :] * stride_x_p,
-                mask=in_p, other=0.0).to(tl.float32)                                           # [CHUNK, BLOCK_P]
-    size = num_heads * dim_p * dim_n
-    entering = tl.load(states_ptr + c * size + (h * dim_p + p[:, None]) * dim_n + n[None, :],
-                       mask=(p < dim_p)[:, None] & (n < dim_n)[None, :], other=0.0)            # [BLOCK_P, BLOCK_N]
+    x = _load_tokens(x_ptr, start, i, valid, h, p, dim_p, stride_x_t, stride_x_h, stride_x_p)     # [CHUNK, BLOCK_P]
+    offs, mask = _state_offsets(h, p, n, dim_p, dim_n)
+    entering = tl.load(states_ptr + c * num_heads * dim_p * dim_n + offs, mask=mask, other=0.0)  # [BLOCK_P, BLOCK_N]
     y = tl.dot(scores, x, input_precision=PRECISION)
     y += tl.exp(acs)[:, None] * tl.dot(cm, tl.trans(entering), input_precision=PRECISION)
     y += tl.load(D_ptr + h * dim_p + p, mask=p < dim_p, other=0.0)[None, :] * x
     if HAS_Z:
-        z = tl.load(z_ptr + (start + i)[:, None] * stride_z_t + h * stride_z_h + p[None, :] * stride_z_p,
-                    mask=in_p, other=0.0).to(tl.float32)
+        z = _load_tokens(z_ptr, start, i, valid, h, p, dim_p, stride_z_t, stride_z_h, stride_z_p)
         y = y * z / (1.0 + tl.exp(-z))
+    in_p = valid[:, None] & (p < dim_p)[None, :]
     tl.store(y_ptr + (start + i)[:, None] * stride_y_t + h * stride_y_h + p[None, :] * stride_y_p,
              y.to(y_ptr.dtype.element_ty), mask=in_p)
 
