@@ -4,26 +4,17 @@ Without a GPU the kernel runs in Triton's interpreter (scripts/test sets TRITON_
 when no GPU is present and the kernel module is not loaded yet), in float32 and float16; bfloat16 casts need a GPU.
 """
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
 
-if not torch.cuda.is_available() and "torch_bridge.ops.exporter" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not (INTERPRET or torch.cuda.is_available()):
-    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1 set before triton is imported",
-                allow_module_level=True)
+from tests.torch_bridge.helpers import triton_device  # noqa: E402
+
+DEVICE = triton_device("torch_bridge.ops.exporter")
 
 from jaxckpt.plan.conventions import NULL_SLOT  # noqa: E402
 from torch_bridge.ops import export_checkpoints  # noqa: E402
-
-DEVICE = "cpu" if INTERPRET else "cuda"
 
 
 def tensor(array, dtype=torch.float32):

@@ -13,6 +13,8 @@ torch = pytest.importorskip("torch")
 from jaxckpt.ops.gdn.reference import gated_delta_rule as gdn_reference  # noqa: E402
 from jaxckpt.ops.kda.reference import kda as kda_reference  # noqa: E402
 from jaxckpt.plan.conventions import NULL_SLOT, PAD_CHECKPOINT_OFFSET  # noqa: E402
+from tests.torch_bridge.helpers import assert_each_raises, check_outputs, two_row_paged_options  # noqa: E402
+from tests.vectors.loader import rel_rms  # noqa: E402
 from torch_bridge.ops.fla_prefill import (chunk_gated_delta_rule_split, chunk_gated_delta_rule_split_paged,  # noqa
                                           chunk_kda_native, chunk_kda_native_paged, chunk_kda_split)
 
@@ -68,12 +70,6 @@ class FakeFLA:
         return out
 
 
-def rel_rms(out, expected):
-    out = out.detach().double().numpy()
-    norm = np.linalg.norm(expected)
-    return np.linalg.norm(out - expected) / norm if norm else np.linalg.norm(out)
-
-
 def problem(rng, lengths, *, heads=2, v_heads=4, dim=8, per_channel=False, pad=2):
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     num_tokens = int(cu[-1]) + pad
@@ -91,17 +87,6 @@ def torch_args(arrays):
     return {name: torch.tensor(a) for name, a in arrays.items()}
 
 
-def check(out, expected, ccu, cu):
-    valid = int(cu[-1])
-    assert rel_rms(out[0][:valid], expected[0][:valid]) <= BOUND
-    assert torch.count_nonzero(out[0][valid:]) == 0
-    assert rel_rms(out[1], expected[1]) <= BOUND
-    real = int(ccu[-1])
-    for m in range(real):
-        assert rel_rms(out[2][m], expected[2][m]) <= BOUND, m
-    assert torch.count_nonzero(out[2][real:]) == 0
-
-
 def test_gdn_split_runs_k_plus_one_launches_for_the_whole_batch():
     rng = np.random.default_rng(401)
     arrays, cu = problem(rng, [9, 0, 1, 20, 6, 5])
@@ -111,7 +96,7 @@ def test_gdn_split_runs_k_plus_one_launches_for_the_whole_batch():
     fake = FakeFLA()
     options = dict(cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=offsets)
     out = chunk_gated_delta_rule_split(**torch_args(arrays), kernel=fake, **options)
-    check(out, gdn_reference(**arrays, **options), ccu, cu)
+    check_outputs(out, gdn_reference(**arrays, **options), cu, ccu, bound=BOUND)
     assert len(fake.calls) == 4
     # launch 0: the first segment of every non-empty row; the length-1 row and unsplit rows finish there
     assert fake.calls[0] == [0, 1, 2, 5, 10, 15]
@@ -133,7 +118,7 @@ def test_kda_split_vk_layout_and_batched_form():
     fake = FakeFLA()
     out = chunk_kda_split(**args, kernel=fake, **options)
     assert out[0].shape == (1, 42, 4, 8) and out[1].shape == (2, 4, 8, 8)
-    check((out[0][0], *out[1:]), kda_reference(**arrays, **options), ccu, cu)
+    check_outputs((out[0][0], *out[1:]), kda_reference(**arrays, **options), cu, ccu, bound=BOUND)
     assert len(fake.calls) == 3
 
 
@@ -207,9 +192,7 @@ def test_bad_input_raises_before_any_launch_or_write():
     arrays, cu = problem(rng, [10, 6])
     args = torch_args({k: v for k, v in arrays.items() if k != "initial_state"})
     pool = torch.full((4, 4, 8, 8), float("nan"))
-    base = dict(cu_seqlens=cu, checkpoint_cu=np.array([0, 1, 1]), checkpoint_offsets=np.array([3]),
-                initial_state_indices=[1, 2], has_initial_state=np.array([True, False]), final_state_indices=[1, 2],
-                checkpoint_state_indices=[3])
+    base = two_row_paged_options(cu)
     bad = [
         ("k", dict(k=args["k"].half())),
         ("v", dict(v=args["v"][:, :3])),
@@ -226,10 +209,7 @@ def test_bad_input_raises_before_any_launch_or_write():
         ("state_layout", dict(state_layout="vv")),
     ]
     fake = FakeFLA()
-    for name, change in bad:
-        call = {**args, "state_pool": pool, **base, **change}
-        with pytest.raises(ValueError, match=f"^{name}"):
-            chunk_gated_delta_rule_split_paged(**call, kernel=fake)
+    assert_each_raises(chunk_gated_delta_rule_split_paged, bad, **args, state_pool=pool, **base, kernel=fake)
     with pytest.raises(ValueError, match="^initial_state: dtype must be float32"):
         chunk_gated_delta_rule_split(**args, initial_state=torch.tensor(arrays["initial_state"]).double(),
                                      cu_seqlens=cu, kernel=fake)

@@ -34,6 +34,25 @@ def test_package_import_is_lazy_and_spec_needs_no_torch():
     assert result.stdout.split("\n")[:2] == ["[]", "[]"]
 
 
+def test_bridge_modules_import_and_pool_helpers_run_without_jax():
+    pytest.importorskip("torch")
+    code = """
+import numpy as np, torch
+from torch_bridge import interop
+from torch_bridge.ops import fla_prefill
+slots = interop.pool_slots(5, 2, np.array([0, 1, 1]), 2, initial_state_indices=[-1, 3],
+                           has_initial_state=np.array([True, True]), final_state_indices=[1, 2],
+                           checkpoint_state_indices=[4, -1])
+pool = torch.arange(5.0)[:, None].repeat(1, 2)
+states = interop.gather_states(pool, slots.initial)
+interop.write_states(pool, slots.final, states + 10)
+print(states[:, 0].tolist(), pool[:, 0].tolist(), 'jax' in sys.modules)
+"""
+    result = run(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[0.0, 3.0] [0.0, 10.0, 13.0, 3.0, 4.0] False"
+
+
 def test_spec_and_exporter_run_without_jax():
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")

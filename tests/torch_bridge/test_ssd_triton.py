@@ -4,39 +4,26 @@ Without a GPU the kernels run in Triton's interpreter (this module sets TRITON_I
 the kernel module is not loaded yet), at tiny float32 shapes; bfloat16 inputs are in tests/gpu.
 """
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
 
-if not torch.cuda.is_available() and "torch_bridge.ops.ssd" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not (INTERPRET or torch.cuda.is_available()):
-    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1 set before triton is imported",
-                allow_module_level=True)
+from tests.torch_bridge.helpers import (assert_each_raises, check_outputs, triton_device,  # noqa: E402
+                                        two_row_paged_options)
+
+DEVICE = triton_device("torch_bridge.ops.ssd")
 
 from jaxckpt.ops.ssd.reference import ssd as reference  # noqa: E402
 from jaxckpt.plan.conventions import NULL_SLOT, PAD_CHECKPOINT_OFFSET  # noqa: E402
-from tests.vectors.loader import check_case, load_cases  # noqa: E402
+from tests.vectors.loader import check_case, load_cases, rel_rms  # noqa: E402
 from torch_bridge.ops.ssd import ssd, ssd_paged  # noqa: E402
 
-DEVICE = "cpu" if INTERPRET else "cuda"
 BOUND = 1e-5
 
 
 def tensor(array, dtype=torch.float32):
     return torch.as_tensor(np.array(array), dtype=dtype, device=DEVICE)
-
-
-def rel_rms(out, expected):
-    out = out.detach().double().cpu().numpy() if isinstance(out, torch.Tensor) else np.asarray(out, np.float64)
-    norm = np.linalg.norm(expected)
-    return np.linalg.norm(out - expected) / norm if norm else np.linalg.norm(out)
 
 
 def problem(rng, lengths, *, heads=4, dim_p=8, groups=2, dim_n=16, pad=3):
@@ -61,16 +48,7 @@ def torch_args(arrays):
 
 
 def check_against_reference(arrays, out, **options):
-    expected = reference(**arrays, **options)
-    cu, ccu = options["cu_seqlens"], options["checkpoint_cu"]
-    valid = int(cu[-1])
-    assert rel_rms(out[0][:valid], expected[0][:valid]) <= BOUND
-    assert torch.count_nonzero(out[0][valid:]) == 0
-    assert rel_rms(out[1], expected[1]) <= BOUND
-    real = int(ccu[-1])
-    for m in range(real):
-        assert rel_rms(out[2][m], expected[2][m]) <= BOUND, m
-    assert torch.count_nonzero(out[2][real:]) == 0
+    check_outputs(out, reference(**arrays, **options), options["cu_seqlens"], options["checkpoint_cu"], bound=BOUND)
 
 
 def test_varlen_rows_with_checkpoints_anywhere_match_reference():
@@ -163,9 +141,7 @@ def test_bad_input_raises_before_any_write():
     arrays, cu = problem(rng, [10, 6])
     args = torch_args({k: v for k, v in arrays.items() if k != "initial_state"})
     pool = torch.full((4, 4, 8, 16), float("nan"), device=DEVICE)
-    base = dict(cu_seqlens=cu, checkpoint_cu=np.array([0, 1, 1], np.int32), checkpoint_offsets=np.array([3]),
-                initial_state_indices=[1, 2], has_initial_state=np.array([True, False]), final_state_indices=[1, 2],
-                checkpoint_state_indices=[3])
+    base = two_row_paged_options(cu)
     bad = [
         ("B", dict(B=args["B"].half())),
         ("C", dict(C=args["C"][:, :1])),
@@ -182,10 +158,7 @@ def test_bad_input_raises_before_any_write():
         ("dt_limit", dict(dt_limit=(1.0, 0.5))),
         ("dot_precision", dict(dot_precision="bf16")),
     ]
-    for name, change in bad:
-        call = {**args, "state_pool": pool, **base, **change}
-        with pytest.raises(ValueError, match=f"^{name}"):
-            ssd_paged(**call)
-        assert torch.isnan(pool).all(), name
+    assert_each_raises(ssd_paged, bad, **args, state_pool=pool, **base)
+    assert torch.isnan(pool).all()
     with pytest.raises(ValueError, match="^initial_state"):
         ssd(**args, initial_state=tensor(arrays["initial_state"]).double(), cu_seqlens=cu)
