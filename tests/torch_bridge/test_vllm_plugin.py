@@ -7,7 +7,6 @@ Mamba cache manager's block allocation are compared with the plugin off (vLLM's 
 """
 
 import dataclasses
-import importlib
 import logging
 import os
 import subprocess
@@ -26,6 +25,7 @@ import torch  # noqa: E402
 from vllm.model_executor.layers.mamba import abstract  # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
 
+from tests.torch_bridge.vllm_helpers import vllm_config, vllm_layer, vllm_module  # noqa: E402
 from torch_bridge import spec as tb  # noqa: E402
 from torch_bridge import vllm_plugin  # noqa: E402
 
@@ -41,69 +41,43 @@ ROCM_KDA = [("fused", True, True), ("fused", False, True), ("fused", True, False
             ("gluon", True, True)]
 
 
-def module(name):
-    try:
-        return importlib.import_module(name)
-    except ImportError as error:
-        pytest.skip(f"{name} does not import here: {error}")
-
-
-def config(mode, *, block_size=1024, prefix_match_unit=None, num_spec=0, page_size_padded=None):
-    cache = SimpleNamespace(mamba_block_size=block_size, mamba_page_size_padded=page_size_padded,
-                            mamba_cache_mode=mode, use_replayssm=False, prefix_match_unit=prefix_match_unit)
-    return SimpleNamespace(cache_config=cache, num_speculative_tokens=num_spec,
-                           compilation_config=SimpleNamespace(static_forward_context={}))
-
-
-def stub(cls, cfg, name, state, *, mamba_type=None, **attrs):
-    """vLLM's layer class without its __init__, registered in `cfg`'s forward context under `name`."""
-    shapes, dtypes = state
-    namespace = {"__init__": lambda self: torch.nn.Module.__init__(self),
-                 "get_state_shape": lambda self: shapes, "get_state_dtype": lambda self: dtypes}
-    if mamba_type is not None:
-        namespace["mamba_type"] = property(lambda self: mamba_type)
-    layer = type(f"Stub{cls.__name__}", (cls,), namespace)()
-    layer.__dict__.update(attrs)
-    cfg.compilation_config.static_forward_context[name] = layer
-    return layer
-
-
 # One builder per layer kind: what the class's __init__ sets that its spec methods read.
 def mamba2(cfg, name):
-    return stub(module("vllm.model_executor.layers.mamba.mamba_mixer2").MambaMixer2, cfg, name, MAMBA2_STATE)
+    mixer = vllm_module("vllm.model_executor.layers.mamba.mamba_mixer2").MambaMixer2
+    return vllm_layer(mixer, cfg, name, MAMBA2_STATE)
 
 
 def mamba1(cfg, name):  # a Mamba layer without prefill checkpoints in vLLM 0.33 and with the plugin
-    return stub(module("vllm.model_executor.layers.mamba.mamba_mixer").MambaMixer, cfg, name, MAMBA2_STATE)
+    return vllm_layer(vllm_module("vllm.model_executor.layers.mamba.mamba_mixer").MambaMixer, cfg, name, MAMBA2_STATE)
 
 
 def qwen_gdn(cfg, name, backend):
-    gdn_attn = module("vllm.v1.attention.backends.gdn_attn")
+    gdn_attn = vllm_module("vllm.v1.attention.backends.gdn_attn")
     exports = cfg.cache_config.mamba_cache_mode == "align" and backend == "flashinfer"
-    return stub(module("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn").QwenGatedDeltaNetAttention,
-                cfg, name, GDN_STATE, vllm_config=cfg, gdn_prefill_backend=backend,
-                _checkpoint_alignment=gdn_attn.FLASHINFER_GDN_CHECKPOINT_ALIGNMENT if exports else None)
+    gdn = vllm_module("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn").QwenGatedDeltaNetAttention
+    return vllm_layer(gdn, cfg, name, GDN_STATE, vllm_config=cfg, gdn_prefill_backend=backend,
+                      _checkpoint_alignment=gdn_attn.FLASHINFER_GDN_CHECKPOINT_ALIGNMENT if exports else None)
 
 
 def ple(cfg, name):
-    return stub(module("vllm.models.qwen4_exp.nvidia.ple_layer").Qwen4ExpPLELayer, cfg, name, CONV_STATE,
-                cache_config=cfg.cache_config, conv_state_len=3)
+    return vllm_layer(vllm_module("vllm.models.qwen4_exp.nvidia.ple_layer").Qwen4ExpPLELayer, cfg, name, CONV_STATE,
+                      cache_config=cfg.cache_config, conv_state_len=3)
 
 
 def nvidia_kda(cfg, name, backend):
-    return stub(module("vllm.models.kimi_k3.nvidia.kda").KimiK3DeltaAttention, cfg, name, GDN_STATE,
-                mamba_type=MambaAttentionBackendEnum.GDN_ATTN, kda_prefill_backend=backend)
+    return vllm_layer(vllm_module("vllm.models.kimi_k3.nvidia.kda").KimiK3DeltaAttention, cfg, name, GDN_STATE,
+                      mamba_type=MambaAttentionBackendEnum.GDN_ATTN, kda_prefill_backend=backend)
 
 
 def glm_kda(cfg, name, backend):
-    return stub(module("vllm.models.glm5next.common.kda").Glm5NextLinearAttention, cfg, name, GDN_STATE,
-                mamba_type=MambaAttentionBackendEnum.GDN_ATTN, kda_prefill_backend=backend)
+    return vllm_layer(vllm_module("vllm.models.glm5next.common.kda").Glm5NextLinearAttention, cfg, name, GDN_STATE,
+                      mamba_type=MambaAttentionBackendEnum.GDN_ATTN, kda_prefill_backend=backend)
 
 
 def rocm_kda(cfg, name, backend, safe_gate, enabled):
-    return stub(module("vllm.models.kimi_k3.amd.kda").KimiK3DeltaAttention, cfg, name, GDN_STATE,
-                mamba_type=MambaAttentionBackendEnum.GDN_ATTN, kda_prefill_backend=backend,
-                use_safe_gate=safe_gate, use_prefill_checkpoint=enabled)
+    return vllm_layer(vllm_module("vllm.models.kimi_k3.amd.kda").KimiK3DeltaAttention, cfg, name, GDN_STATE,
+                      mamba_type=MambaAttentionBackendEnum.GDN_ATTN, kda_prefill_backend=backend,
+                      use_safe_gate=safe_gate, use_prefill_checkpoint=enabled)
 
 
 # Models of one layer kind each (plus Qwen4-Exp's GDN + PLE short conv), as vLLM 0.33 builds them.
@@ -136,8 +110,8 @@ SWEEP = [dict(mode=mode, num_spec=num_spec, block_size=block_size, prefix_match_
 
 def specs(model, case):
     """Fresh layers of `model` under `case`'s config, and each layer's spec."""
-    cfg = config(case["mode"], block_size=case["block_size"], prefix_match_unit=case["prefix_match_unit"],
-                 num_spec=case["num_spec"], page_size_padded=case["page_size_padded"])
+    cfg = vllm_config(case["mode"], block_size=case["block_size"], prefix_match_unit=case["prefix_match_unit"],
+                 num_speculative_tokens=case["num_spec"], page_size_padded=case["page_size_padded"])
     return cfg, [layer.get_kv_cache_spec(cfg) for layer in model(cfg)]
 
 
@@ -199,7 +173,7 @@ def test_layers_of_different_kinds_that_all_declare_share_the_lcm():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("backend", GDN_BACKENDS)
 def test_gdn_hook_is_what_its_init_decides(mode, backend):
-    cfg = config(mode)
+    cfg = vllm_config(mode)
     layer = qwen_gdn(cfg, "g", backend)
     assert layer.get_prefill_checkpoint_alignment() == layer._checkpoint_alignment  # vLLM's own hook
     with vllm_plugin.installed():
@@ -237,8 +211,8 @@ def test_duck_typed_layers_without_the_hook_get_the_no_checkpoint_spec():
 
 
 def test_install_patches_and_uninstall_restores():
-    mixer2 = module("vllm.model_executor.layers.mamba.mamba_mixer2")
-    rocm = module("vllm.models.kimi_k3.amd.kda")
+    mixer2 = vllm_module("vllm.model_executor.layers.mamba.mamba_mixer2")
+    rocm = vllm_module("vllm.models.kimi_k3.amd.kda")
     before = (abstract.MambaBase.get_kv_cache_spec, mixer2.MambaMixer2.get_kv_cache_spec,
               rocm.KimiK3DeltaAttention.__init__, mixer2.MambaMixer2.get_prefill_checkpoint_alignment)
     with vllm_plugin.installed():
@@ -321,7 +295,7 @@ def test_register_follows_the_environment_variable(monkeypatch):
 
 
 def test_the_rocm_kda_log_moves_to_the_layers_construction(monkeypatch):
-    rocm = module("vllm.models.kimi_k3.amd.kda")
+    rocm = vllm_module("vllm.models.kimi_k3.amd.kda")
     said = []
     monkeypatch.setattr(rocm, "logger", SimpleNamespace(info_once=said.append))
 
@@ -333,11 +307,11 @@ def test_the_rocm_kda_log_moves_to_the_layers_construction(monkeypatch):
     capable = dict(kda_prefill_backend="fused", use_safe_gate=True, use_prefill_checkpoint=True)
     with vllm_plugin.installed():
         for mode in MODES:
-            rocm.KimiK3DeltaAttention(capable, config(mode))
-        rocm.KimiK3DeltaAttention({**capable, "use_safe_gate": False}, config("align"))
-        layer = stub(rocm.KimiK3DeltaAttention, config("align"), "k", GDN_STATE, **capable,
+            rocm.KimiK3DeltaAttention(capable, vllm_config(mode))
+        rocm.KimiK3DeltaAttention({**capable, "use_safe_gate": False}, vllm_config("align"))
+        layer = vllm_layer(rocm.KimiK3DeltaAttention, vllm_config("align"), "k", GDN_STATE, **capable,
                      mamba_type=MambaAttentionBackendEnum.GDN_ATTN)
-        layer.get_kv_cache_spec(config("align"))  # the spec no longer logs
+        layer.get_kv_cache_spec(vllm_config("align"))  # the spec no longer logs
     assert said == ["Kimi-K3 KDA prefill checkpoint enabled."]
 
 
@@ -489,11 +463,11 @@ def test_the_platform_block_size_reads_the_same_hooks(name):
     for mode in MODES:
         for cache_block, kernel_sizes, use_mla in ((16, [MultipleOf(16)], False), (64, [16, 32], False),
                                                    (16, [MultipleOf(16)], True), (8, [8], False)):
-            cfg = config(mode)
+            cfg = vllm_config(mode)
             theirs = platform_block_size(MODELS[name](cfg), mode, cache_block=cache_block,
                                          kernel_sizes=kernel_sizes, use_mla=use_mla)
             with vllm_plugin.installed():
-                layers = MODELS[name](config(mode))
+                layers = MODELS[name](vllm_config(mode))
                 ours = platform_block_size(layers, mode, cache_block=cache_block, kernel_sizes=kernel_sizes,
                                            use_mla=use_mla)
                 alignment = abstract.get_mamba_prefill_checkpoint_alignment(

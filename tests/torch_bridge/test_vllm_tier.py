@@ -7,8 +7,6 @@ README.md), the test asserts the documented relation instead of equality.
 """
 
 import dataclasses
-import importlib
-from types import SimpleNamespace
 
 import pytest
 
@@ -22,37 +20,13 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noq
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
 from jaxckpt.plan.spec import StateSpec  # noqa: E402
+from tests.torch_bridge.vllm_helpers import vllm_config, vllm_layer, vllm_module  # noqa: E402
 from torch_bridge import spec as tb  # noqa: E402
 
 MODES = ("align", "none", "all")
 GDN_SHAPES = ((3, 2048), (8, 128, 128))
 GDN_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def vllm_module(name):
-    try:
-        return importlib.import_module(name)
-    except ImportError as error:
-        pytest.skip(f"{name} does not import here: {error}")
-
-
-def config(mode, *, block_size=1024, prefix_match_unit=None, num_speculative_tokens=0, page_size_padded=None):
-    cache = SimpleNamespace(mamba_block_size=block_size, mamba_page_size_padded=page_size_padded,
-                            mamba_cache_mode=mode, use_replayssm=False, prefix_match_unit=prefix_match_unit)
-    return SimpleNamespace(cache_config=cache, num_speculative_tokens=num_speculative_tokens,
-                           compilation_config=SimpleNamespace(static_forward_context={}))
-
-
-def vllm_layer(cls, cfg, *, name, shapes=GDN_SHAPES, dtypes=GDN_DTYPES, mamba_type=None, **attrs):
-    """An instance of vLLM's layer class registered in `cfg`'s forward context, built without its __init__."""
-    namespace = {"__init__": lambda self: torch.nn.Module.__init__(self),
-                 "get_state_shape": lambda self: shapes, "get_state_dtype": lambda self: dtypes}
-    if mamba_type is not None:
-        namespace["mamba_type"] = property(lambda self: mamba_type)
-    layer = type(f"Stub{cls.__name__}", (cls,), namespace)()
-    layer.__dict__.update(attrs)
-    cfg.compilation_config.static_forward_context[name] = layer
-    return layer
+GDN_STATE = (GDN_SHAPES, GDN_DTYPES)
 
 
 class Ours(tb.RecurrentLayer):
@@ -121,7 +95,7 @@ class Declared(abstract.MambaBase):
 @pytest.mark.parametrize("alignments", [[], [1], [1, 16, 64], [64, 64], [16, None], [None], [48, 64, 1]])
 @pytest.mark.parametrize("prefix_match_unit", [None, 16, 48, 1024])
 def test_model_alignment_and_grid_helpers(alignments, prefix_match_unit):
-    cfg = config("align", prefix_match_unit=prefix_match_unit)
+    cfg = vllm_config("align", prefix_match_unit=prefix_match_unit)
     cfg.compilation_config.static_forward_context.update({f"l{i}": Declared(a) for i, a in enumerate(alignments)})
     theirs = abstract.get_mamba_prefill_checkpoint_alignment(cfg)
     ours = tb.model_alignment([Ours(a) for a in alignments])
@@ -135,9 +109,9 @@ def test_model_alignment_and_grid_helpers(alignments, prefix_match_unit):
 @pytest.mark.parametrize("num_spec", [0, 2])
 def test_mamba2_mixer(mode, num_spec):
     mixer2 = vllm_module("vllm.model_executor.layers.mamba.mamba_mixer2")
-    cfg = config(mode, num_speculative_tokens=num_spec, page_size_padded=1 << 22)
+    cfg = vllm_config(mode, num_speculative_tokens=num_spec, page_size_padded=1 << 22)
     shapes, dtypes = ((3, 4096), (64, 64, 128)), (torch.bfloat16, torch.float32)
-    layers = [vllm_layer(mixer2.MambaMixer2, cfg, name=f"m{i}", shapes=shapes, dtypes=dtypes) for i in range(2)]
+    layers = [vllm_layer(mixer2.MambaMixer2, cfg, f"m{i}", (shapes, dtypes)) for i in range(2)]
     ours = derive([Ours(tb.mamba2_alignment(), shapes=shapes, dtypes=dtypes,
                         mamba_type="mamba2") for _ in layers], cfg)
     for layer, our in zip(layers, ours):
@@ -154,7 +128,8 @@ def test_mamba2_mixer(mode, num_spec):
 def gdn_layer(module, cfg, name, backend):
     # What QwenGatedDeltaNetAttention.__init__ decides: FlashInfer exports, in align mode only.
     exports = cfg.cache_config.mamba_cache_mode == "align" and backend == "flashinfer"
-    return vllm_layer(module.QwenGatedDeltaNetAttention, cfg, name=name, vllm_config=cfg, gdn_prefill_backend=backend,
+    return vllm_layer(module.QwenGatedDeltaNetAttention, cfg, name, GDN_STATE, vllm_config=cfg,
+                      gdn_prefill_backend=backend,
                       _checkpoint_alignment=tb.FLASHINFER_GDN_ALIGNMENT if exports else None)
 
 
@@ -164,14 +139,14 @@ def gdn_layer(module, cfg, name, backend):
 def test_flashinfer_gdn_and_the_ple_short_conv(mode, prefix_match_unit, with_short_conv):
     gdn = vllm_module("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn")
     block_size = 1536
-    cfg = config(mode, block_size=block_size, prefix_match_unit=prefix_match_unit)
+    cfg = vllm_config(mode, block_size=block_size, prefix_match_unit=prefix_match_unit)
     layers = [gdn_layer(gdn, cfg, f"g{i}", "flashinfer") for i in range(2)]
     ours = [Ours(tb.flashinfer_gdn_alignment(gdn_prefill_backend="flashinfer", mamba_cache_mode=mode))
             for _ in layers]
     if with_short_conv:
         ple = vllm_module("vllm.models.qwen4_exp.nvidia.ple_layer")
         conv_shapes, conv_dtypes = ((1024, 3),), (torch.bfloat16,)
-        layers.append(vllm_layer(ple.Qwen4ExpPLELayer, cfg, name="ple", shapes=conv_shapes, dtypes=conv_dtypes,
+        layers.append(vllm_layer(ple.Qwen4ExpPLELayer, cfg, "ple", (conv_shapes, conv_dtypes),
                                  cache_config=cfg.cache_config, conv_state_len=3))
         ours.append(Ours(tb.short_conv_alignment(mamba_cache_mode=mode), shapes=conv_shapes, dtypes=conv_dtypes,
                          mamba_type="short_conv", tp_replicated=True))
@@ -193,7 +168,7 @@ def test_flashinfer_gdn_and_the_ple_short_conv(mode, prefix_match_unit, with_sho
 @pytest.mark.parametrize("mode", MODES)
 def test_one_gdn_layer_without_export_disables_every_layer(mode):
     gdn = vllm_module("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn")
-    cfg = config(mode)
+    cfg = vllm_config(mode)
     layers = [gdn_layer(gdn, cfg, "g0", "flashinfer"), gdn_layer(gdn, cfg, "g1", "triton")]
     derived = derive([Ours(tb.flashinfer_gdn_alignment(gdn_prefill_backend="flashinfer", mamba_cache_mode=mode)),
                       Ours(tb.flashinfer_gdn_alignment(gdn_prefill_backend="triton", mamba_cache_mode=mode))], cfg)
@@ -208,8 +183,8 @@ def test_one_gdn_layer_without_export_disables_every_layer(mode):
 def test_kimi_and_glm_kda_on_nvidia(mode, backend, module_name):
     module = vllm_module(module_name)
     cls = getattr(module, "KimiK3DeltaAttention", None) or module.Glm5NextLinearAttention
-    cfg = config(mode, block_size=1152)
-    layer = vllm_layer(cls, cfg, name="kda", mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+    cfg = vllm_config(mode, block_size=1152)
+    layer = vllm_layer(cls, cfg, "kda", GDN_STATE, mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
                        kda_prefill_backend=backend)
     (our,) = derive([Ours(tb.flashkda_alignment(kda_prefill_backend=backend))], cfg)
     theirs = tb.from_vllm_spec(layer.get_kv_cache_spec(cfg))
@@ -226,9 +201,10 @@ def test_kimi_and_glm_kda_on_nvidia(mode, backend, module_name):
                                                        ("triton", True, True), ("fused", True, False)])
 def test_kimi_kda_on_rocm(mode, num_spec, backend, safe_gate, enabled):
     module = vllm_module("vllm.models.kimi_k3.amd.kda")
-    cfg = config(mode, num_speculative_tokens=num_spec)
-    layer = vllm_layer(module.KimiK3DeltaAttention, cfg, name="kda", mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
-                       kda_prefill_backend=backend, use_safe_gate=safe_gate, use_prefill_checkpoint=enabled)
+    cfg = vllm_config(mode, num_speculative_tokens=num_spec)
+    layer = vllm_layer(module.KimiK3DeltaAttention, cfg, "kda", GDN_STATE,
+                       mamba_type=MambaAttentionBackendEnum.GDN_ATTN, kda_prefill_backend=backend,
+                       use_safe_gate=safe_gate, use_prefill_checkpoint=enabled)
     (our,) = derive([Ours(tb.rocm_fused_kda_alignment(kda_prefill_backend=backend, use_safe_gate=safe_gate,
                                                       num_speculative_tokens=num_spec,
                                                       use_prefill_checkpoint=enabled))], cfg)
@@ -268,7 +244,7 @@ def test_to_vllm_spec_answers_like_ours(index):
     assert theirs.page_size_bytes == ours.page_size_bytes
     assert theirs.real_page_size_bytes == ours.state_content_size_bytes
     for mode in MODES:
-        cfg = config(mode)
+        cfg = vllm_config(mode)
         assert theirs.max_memory_usage_bytes(cfg) == ours.max_memory_usage_bytes(mamba_cache_mode=mode)
         for max_len in (1, 1000, 1025, 131072):
             assert theirs.max_num_blocks_per_req(cfg, max_len) == \
