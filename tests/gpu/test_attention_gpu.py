@@ -12,28 +12,10 @@ from jaxckpt.layers.attention import paged_attention
 from jaxckpt.layers.metadata import StepMetadata
 from jaxckpt.models import hybrid
 from jaxckpt.models.hybrid import HybridConfig, HybridModel
+from tests.layers.attention_cases import paged_step
+from tests.vectors.loader import rel_rms
 
 pytestmark = pytest.mark.gpu
-
-
-def rel_rms(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
-
-
-def _meta(rng, *, page, query_lens, context_lens, num_pages):
-    perm = rng.permutation(np.arange(1, num_pages))
-    tables, used = [], 0
-    for q, c in zip(query_lens, context_lens):
-        need = -(-(q + c) // page)
-        tables.append(perm[used:used + need])
-        used += need
-    n = len(query_lens)
-    return StepMetadata.build(query_lens, context_lens=context_lens, block_tables=tables,
-                              initial_state_indices=[1] * n, final_state_indices=list(range(2, n + 2)),
-                              has_initial_state=[c > 0 for c in context_lens], block_size=page,
-                              num_kv_pages=num_pages, num_state_slots=n + 2, num_rows=8,
-                              max_blocks=max(len(t) for t in tables) + 1)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -43,8 +25,8 @@ def test_flash_matches_plain_on_the_gpu(page, dtype):
     kv_heads, groups, dim = 2, 8, 128
     query_lens, context_lens = [1, 1, 1, 2000, 700, 1300], [3000, 17, 800, 0, 1500, 2 * page]
     num_pages = sum(-(-(q + c) // page) for q, c in zip(query_lens, context_lens)) + 2
-    meta = jax.tree.map(jnp.asarray, _meta(rng, page=page, query_lens=query_lens, context_lens=context_lens,
-                                           num_pages=num_pages))
+    meta = jax.tree.map(jnp.asarray, paged_step(rng, page=page, query_lens=query_lens, context_lens=context_lens,
+                                                num_pages=num_pages, num_rows=8))
     num_tokens = meta.positions.shape[0]
     dt = jnp.dtype(dtype)
     q = jnp.asarray(rng.standard_normal((num_tokens, kv_heads, groups, dim)), jnp.float32) * dim ** -0.5

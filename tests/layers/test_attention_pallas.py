@@ -8,29 +8,10 @@ import pytest
 
 from jaxckpt.layers import attention_pallas_triton
 from jaxckpt.layers.attention import choose_attention, paged_attention
-from jaxckpt.layers.metadata import StepMetadata
+from tests.layers.attention_cases import paged_step
+from tests.vectors.loader import rel_rms
 
 pytestmark = pytest.mark.interpret
-
-
-def rel_rms(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
-
-
-def _step(rng, *, page, query_lens, context_lens, num_decodes, num_pages, num_tokens):
-    perm = rng.permutation(np.arange(1, num_pages))
-    tables, used = [], 0
-    for q, c in zip(query_lens, context_lens):
-        need = -(-(q + c) // page)
-        tables.append(perm[used:used + need])
-        used += need
-    n = len(query_lens)
-    return StepMetadata.build(query_lens, context_lens=context_lens, block_tables=tables,
-                              initial_state_indices=[1] * n, final_state_indices=list(range(2, n + 2)),
-                              has_initial_state=[c > 0 for c in context_lens], num_decodes=num_decodes,
-                              block_size=page, num_kv_pages=num_pages, num_state_slots=n + 2, num_tokens=num_tokens,
-                              num_rows=n + 1, max_blocks=max(len(t) for t in tables) + 1)
 
 
 @pytest.mark.parametrize("page, groups, block_q", [(16, 2, 8), (24, 4, None), (32, 1, 16)])
@@ -40,8 +21,8 @@ def test_flash_paged_attention_matches_the_plain_one(page, groups, block_q):
     # two decode rows, a fresh prompt, a prompt resuming after cached context, one resuming mid-page
     query_lens, context_lens = [1, 1, 37, 20, 9], [50, 7, 0, 2 * page, page + 5]
     num_pages = 40
-    meta = _step(rng, page=page, query_lens=query_lens, context_lens=context_lens, num_decodes=2,
-                 num_pages=num_pages, num_tokens=80)
+    meta = paged_step(rng, page=page, query_lens=query_lens, context_lens=context_lens, num_decodes=2,
+                      num_pages=num_pages, num_tokens=80, num_rows=len(query_lens) + 1)
     meta = jax.tree.map(jnp.asarray, meta)
     num_tokens = meta.positions.shape[0]
     q = jnp.asarray(rng.standard_normal((num_tokens, kv_heads, groups, dim)), jnp.float32) * dim ** -0.5
