@@ -21,6 +21,15 @@ def rel_rms(out, expected) -> float:
     return float(np.linalg.norm(out - expected) / np.linalg.norm(expected))
 
 
+def check_errors(label, out, expected, *, bound):
+    """rel-RMS of (outputs, final states, each checkpoint state) against the reference's, printed (`-s`) and bounded."""
+    errors = [rel_rms(out[0], expected[0]), rel_rms(out[1], expected[1])]
+    errors += [rel_rms(out[2][m], expected[2][m]) for m in range(len(expected[2]))]
+    print(f"\n{label} rel-RMS: outputs {errors[0]:.2e}, final {errors[1]:.2e}, checkpoints "
+          f"{', '.join(f'{e:.2e}' for e in errors[2:])}")
+    assert max(errors) <= bound
+
+
 def delta_problem(op, *, lengths=(700, 1, 299, 130), heads=2, v_heads=4, dim=128, seed=42):
     import torch
 
@@ -60,13 +69,8 @@ def test_fla_split_against_float64(op):
     meta = dict(cu_seqlens=cu, checkpoint_cu=np.array([0, 3, 3, 4, 5]),
                 checkpoint_offsets=np.array([1, 64, 511, 298, 129]))
     fn = chunk_gated_delta_rule_split if op == "gdn" else chunk_kda_split
-    o, final, ckpt = fn(**tensors, initial_state=torch.tensor(h0, device="cuda"), **meta)
-    expected = reference(op)(**arrays, initial_state=h0, **meta)
-    errors = [rel_rms(o, expected[0]), rel_rms(final, expected[1])]
-    errors += [rel_rms(ckpt[m], expected[2][m]) for m in range(5)]
-    print(f"\n{op} FLA split rel-RMS: o {errors[0]:.2e}, final {errors[1]:.2e}, checkpoints "
-          f"{', '.join(f'{e:.2e}' for e in errors[2:])}")
-    assert max(errors) <= BF16_BOUND
+    out = fn(**tensors, initial_state=torch.tensor(h0, device="cuda"), **meta)
+    check_errors(f"{op} FLA split", out, reference(op)(**arrays, initial_state=h0, **meta), bound=BF16_BOUND)
 
 
 def test_fla_kda_native_against_float64_and_bf16_state_error():
@@ -161,16 +165,12 @@ def test_triton_ssd_real_head_size_bf16_against_float64():
                 checkpoint_offsets=np.array([1, 777, 1499, 64, 399]))
     cuda = lambda a: torch.tensor(a, device="cuda")  # noqa: E731
     for precision, bound in (("ieee", BF16_BOUND), ("tf32", BF16_BOUND)):
-        y, final, ckpt = ssd(x, dt, cuda(A), B, C, D=cuda(D), dt_bias=cuda(dt_bias), z=z, initial_state=cuda(h0),
-                             dot_precision=precision, **meta)
+        out = ssd(x, dt, cuda(A), B, C, D=cuda(D), dt_bias=cuda(dt_bias), z=z, initial_state=cuda(h0),
+                  dot_precision=precision, **meta)
         f32 = lambda t: t.float().cpu().numpy()  # noqa: E731
         expected = ssd_reference(f32(x), f32(dt), A, f32(B), f32(C), D=D, dt_bias=dt_bias, z=f32(z), initial_state=h0,
                                  **meta)
-        errors = [rel_rms(y, expected[0]), rel_rms(final, expected[1])]
-        errors += [rel_rms(ckpt[m], expected[2][m]) for m in range(5)]
-        print(f"\nTriton SSD bf16 ({precision}) rel-RMS: y {errors[0]:.2e}, final {errors[1]:.2e}, checkpoints "
-              f"{', '.join(f'{e:.2e}' for e in errors[2:])}")
-        assert max(errors) <= bound
+        check_errors(f"Triton SSD bf16 ({precision})", out, expected, bound=bound)
 
 
 def test_bridge_paged_gdn_on_gpu_equals_jaxckpt_paged():
