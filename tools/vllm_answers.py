@@ -209,6 +209,7 @@ def prefill_checkpoints_table():
         "offsets",
         "cols",
     )
+    gdn_rows = ([888, 700, 1244, 1256, 1212], [600, 700, 700, 1000, 700])  # (seq_lens, query_lens)
     # (case, seq_lens, query_lens, H, B, A, drop_eagle, cache_hit_unit, lookahead)
     cases = [
         ("doc_b64_fresh_200_128", [200, 128], [200, 128], 64, 64, 1, False, 64, 0),
@@ -216,28 +217,8 @@ def prefill_checkpoints_table():
         ("doc_pr53614_b64_h8_n100_eagle_a16", [100], [100], 8, 64, 16, True, 8, 0),
         ("doc_pr53614_b64_h8_n100_eagle_a1", [100], [100], 8, 64, 1, True, 8, 0),
         ("doc_amd_b192_h96_seq700_a64", [700], [700], 96, 192, 64, False, 96, 0),
-        (
-            "doc_gdn_b256_h32_rows",
-            [888, 700, 1244, 1256, 1212],
-            [600, 700, 700, 1000, 700],
-            32,
-            256,
-            1,
-            False,
-            32,
-            0,
-        ),
-        (
-            "doc_gdn_b256_h32_rows_eagle",
-            [888, 700, 1244, 1256, 1212],
-            [600, 700, 700, 1000, 700],
-            32,
-            256,
-            1,
-            True,
-            32,
-            0,
-        ),
+        ("doc_gdn_b256_h32_rows", *gdn_rows, 32, 256, 1, False, 32, 0),
+        ("doc_gdn_b256_h32_rows_eagle", *gdn_rows, 32, 256, 1, True, 32, 0),
         ("doc_b1600_h16_2002", [2002], [2002], 16, 1600, 1, False, 16, 0),
         ("doc_b1600_h16_3602_eagle", [3602], [3602], 16, 1600, 1, True, 16, 0),
         ("doc_b1152_1159_a16", [1159], [1159], 1152, 1152, 16, False, 1152, 0),
