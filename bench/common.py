@@ -22,9 +22,12 @@ import numpy as np
 SCHEMA = 1
 
 
-def implementation_spec(spec: str) -> tuple[str, dict | None]:
+def implementation_spec(spec: str) -> tuple[str | None, dict | None]:
     """"pallas_triton@kda_intra=split,block_v=32" -> ("pallas_triton", {"kda_intra": "split", "block_v": 32}): one
-    implementation with `kernel_options`, so tuning variants are timed in the same run as the peers."""
+    implementation with `kernel_options`, so tuning variants are timed in the same run as the peers. "default" ->
+    (None, None): the call a user makes, with neither argument."""
+    if spec == "default":
+        return None, None
     impl, _, rest = spec.partition("@")
     if not rest:
         return impl, None

@@ -1,10 +1,8 @@
 """Times jaxckpt's op implementations and the peers (FLA, jla, a token-by-token scan) in the same run.
 
-GPU: `python -m bench.ops_bench --impls xla --peers fla jla scan --name ops_xla_h200` (writes
-bench/results/<name>.json and .md, or under $OUT when set). CPU smoke run: `--tiny`.
-Inputs as the anchors (../shared/anchors): q, k L2-normalised bf16, v bf16, g log-decay fp32 (per head for GDN, per
-key channel / 8 for KDA), beta fp32 in (0, 1), an fp32 initial state per row, the final state returned.
-Checkpoint settings per shape: none, one per row (the row's last 512-token boundary) and one every 1024 tokens.
+GPU: `python -m bench.ops_bench --ops gdn --impls default --modes per_row --peers jla fla --device-time --name NAME`
+(writes bench/results/<name>.json and .md, or under $OUT when set). CPU smoke run: `--tiny`. The cases (anchor
+shapes, the varlen mix, checkpoint settings, inputs) are `bench.cases`'; the method is in bench/README.md.
 """
 
 from __future__ import annotations
@@ -214,7 +212,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ops", nargs="+", default=["gdn", "kda", "ssd"])
     parser.add_argument("--impls", nargs="+", default=["xla"],
-                        help="implementations, optionally with kernel options: pallas_triton@kda_intra=split")
+                        help="implementation specs: 'default' (the call with no implementation and no tuning), "
+                             "xla, pallas_mosaic_gpu@intra=mosaic_gpu, pallas_triton@kda_intra=split, ...")
     parser.add_argument("--peers", nargs="*", default=[], help="fla jla jla_chunked scan")
     parser.add_argument("--modes", nargs="+", default=MODES)
     parser.add_argument("--impl-modes", nargs="*", default=[],

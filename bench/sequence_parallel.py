@@ -6,7 +6,7 @@ GPU (one H200), one call per op so each fits a 10-minute call:
 (results under $OUT when set, else bench/results/). CPU smoke run of the script: `--tiny` (interpret mode).
 
 Shapes (B, T, H) with K = V = 128, HV = H: (1, 32768, 16), (1, 131072, 16) and the batched anchor (8, 4096, 32).
-Inputs as `bench.ops_bench` (bf16 q, k, v; fp32 log decays and beta; an fp32 initial state per row). Modes: `none`
+Inputs as `bench.cases` (bf16 q, k, v; fp32 log decays and beta; an fp32 initial state per row). Modes: `none`
 (initial state, no checkpoint), `per_row` (initial state + one checkpoint per row, the last 512-token boundary: the
 issue's "including an initial state and one checkpoint"), optionally `every_1024`. Every timed configuration is
 checked once against the plain Pallas call on the same inputs (rel-RMS of o / final / checkpoints, in the row's
