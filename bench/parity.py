@@ -6,8 +6,9 @@ table) and `<name>_timing.json` / `.md` (Recorder schema) under $OUT, else bench
 Parity: GDN, KDA (K = V = 128, H = 2, HV = 4, varlen rows with 1-token and checkpoint-free rows) and SSD (H = 8,
 P = 64, N = 128, G = 2) through jaxckpt (xla, pallas_triton, pallas_mosaic_gpu: its defaults, version 1 and
 options, `MOSAIC_GPU_ROWS`), torch_bridge (FLA split, FLA KDA intermediate states, the Triton SSD at ieee and
-tf32 dots, the DLPack bridge onto jaxckpt's xla path) against the float64 reference run on exactly the bf16-rounded inputs; rel-RMS of the output, the final states
-and every checkpoint on its own. KDA offsets lie on the 64 grid so the native path sees the same checkpoints. A failing path is recorded with its error.
+tf32 dots, the DLPack bridge onto jaxckpt's xla path) against the float64 reference run on exactly the bf16-rounded
+inputs; rel-RMS of the output, the final states and every checkpoint on its own. KDA offsets lie on the 64 grid so
+the native path sees the same checkpoints. A failing path is recorded with its error.
 
 Timing: FLA 0.6.0 plain (final states only), split with one checkpoint per row (the row's last 512-token boundary;
 host planning and gathers included), and KDA with intermediate states, at the anchor shapes (B, T, H) = (1, 8192, 16),

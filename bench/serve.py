@@ -291,10 +291,10 @@ def run(args: argparse.Namespace) -> Path:
     slots = num_prompts * (per_request + 2) + 2 * budget // block + 8
     runner = ShapeLog(model, prefill_tokens=args.min_bucket or (budget if tiny else 1),
                       num_rows=max(concurrencies), num_checkpoints=max(concurrencies) * 2)
-    report = dict(name=name, **environment(), workload=args.workload, shape=shape, prompts=num_prompts, osl=osl, block=block, budget=budget,
-                  model="tiny" if tiny else "bench", dtype=config.dtype, layer_types=list(config.layer_types),
-                  attention=attention, attention_note=attention_note, backend=jax.default_backend(),
-                  pools=dict(num_kv_pages=pages, num_state_slots=slots), runs=[])
+    report = dict(name=name, **environment(), workload=args.workload, shape=shape, prompts=num_prompts, osl=osl,
+                  block=block, budget=budget, model="tiny" if tiny else "bench", dtype=config.dtype,
+                  layer_types=list(config.layer_types), attention=attention, attention_note=attention_note,
+                  backend=jax.default_backend(), pools=dict(num_kv_pages=pages, num_state_slots=slots), runs=[])
     for concurrency in concurrencies:
         firsts = {}
         for mode in modes:
