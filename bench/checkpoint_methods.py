@@ -7,14 +7,13 @@ bench/results. One row of T tokens with one checkpoint every 512 tokens, an fp32
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import Recorder, jax_time
-from bench.ops_bench import checkpoint_lists, delta_inputs
+from bench.cases import checkpoint_lists, delta_inputs
+from bench.common import Recorder, jax_time, out_dir
 from jaxckpt import ops
 
 
@@ -25,7 +24,7 @@ def main(argv=None):
     parser.add_argument("--D", type=int, default=64)
     parser.add_argument("--name", default="checkpoint_methods")
     args = parser.parse_args(argv)
-    rec = Recorder(args.name, os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    rec = Recorder(args.name, out_dir())
     lengths = [args.T]
     ccu = np.array([0, len(range(512, args.T, 512))], np.int32)
     offsets = np.arange(512, args.T, 512, dtype=np.int32)

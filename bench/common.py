@@ -15,17 +15,19 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import NamedTuple
-
 import numpy as np
 
 SCHEMA = 1
 
 
-def implementation_spec(spec: str) -> tuple[str, dict | None]:
+def implementation_spec(spec: str) -> tuple[str | None, dict | None]:
     """"pallas_triton@kda_intra=split,block_v=32" -> ("pallas_triton", {"kda_intra": "split", "block_v": 32}): one
-    implementation with `kernel_options`, so tuning variants are timed in the same run as the peers."""
+    implementation with `kernel_options`, so tuning variants are timed in the same run as the peers. "default" ->
+    (None, None): the call a user makes, with neither argument."""
+    if spec == "default":
+        return None, None
     impl, _, rest = spec.partition("@")
     if not rest:
         return impl, None
@@ -61,6 +63,36 @@ def device() -> str:
     return platform.processor() or platform.machine()
 
 
+def environment() -> dict:
+    """The fields every result file starts with: where it ran, on what, and the command that ran it."""
+    return {"device": device(), "versions": versions(), "command": " ".join([Path(sys.executable).name, *sys.argv])}
+
+
+def out_dir() -> Path:
+    """Where results go: $OUT when set (the GPU machine's returned folder), else bench/results."""
+    return Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
+
+
+def attempt(rec: "Recorder", run, **row) -> None:
+    """Runs `run()`; a failure becomes a row (`row` plus the error) and the benchmark goes on to its next case."""
+    try:
+        run()
+    except Exception as error:  # noqa: BLE001 - a failing case is a result, the others still run
+        traceback.print_exc()
+        rec.add(**row, median_ms=None, note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+
+
+def cli_main(parser, run, argv=None) -> int:
+    """The entry of a runner: parse, run, and turn a bad argument's ValueError into exit status 2."""
+    args = parser.parse_args(argv)
+    try:
+        status = run(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return status if isinstance(status, int) else 0
+
+
 def jax_time(fn, *args, warmup: int = 3, reps: int = 20) -> dict:
     """Median wall time of a jitted call after `block_until_ready` (compile and warmup excluded)."""
     import jax
@@ -73,7 +105,7 @@ def jax_time(fn, *args, warmup: int = 3, reps: int = 20) -> dict:
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append((time.perf_counter() - start) * 1e3)
-    return _stats(times)
+    return stats(times)
 
 
 def trace_events(trace_dir) -> list[tuple[float, float, str, str, bool]]:
@@ -125,11 +157,6 @@ def kernel_times(fn, args, *, reps: int) -> tuple[dict, float]:
     return dict(totals.most_common()), float(sum(totals.values()))
 
 
-def jax_device_time(fn, *args, reps: int = 10) -> float:
-    """Summed GPU kernel time per call (ms), `kernel_times`' total."""
-    return kernel_times(fn, args, reps=reps)[1]
-
-
 def jax_pipelined(fn, *args, calls: int = 20, rounds: int = 5) -> float:
     """Time per call (ms, median over `rounds`) of `calls` jitted calls enqueued back to back and synced once: the
     host's dispatch overlaps the device's work, as in a model's forward and as `triton.testing.do_bench` times the
@@ -155,37 +182,16 @@ def jax_device_fields(fn, *args, reps: int = 10, top: int = 8) -> dict:
     return {"device_ms": device_ms, "kernels": largest, "pipelined_ms": jax_pipelined(fn, *args)}
 
 
-class Timing(NamedTuple):
-    out: object                 # the outputs of the first (compiling) call
-    wall_ms: float              # `jax_time`'s median
-    kernels: dict               # {kernel name: device ms per call} (`kernel_times`); empty without a trace
-    device_ms: float | None     # their sum; None without a trace
-
-
-def time_call(fn, args, *, warmup: int = 3, reps: int = 20, trace_reps: int | None = None) -> Timing:
-    """One variant of a quick bench (bench/mosaic_gpu_*_quick.py): a first call for the outputs (compiling it), the
-    median wall time of `reps` device-synced calls after `warmup` (`jax_time`), and the device time per kernel from
-    a profiler trace of `trace_reps` calls (`kernel_times`; default `reps`; 0: no trace)."""
-    import jax
-
-    out = jax.block_until_ready(fn(*args))
-    wall_ms = jax_time(fn, *args, warmup=warmup, reps=reps)["median_ms"]
-    if trace_reps == 0:
-        return Timing(out, wall_ms, {}, None)
-    kernels, device_ms = kernel_times(fn, args, reps=reps if trace_reps is None else trace_reps)
-    return Timing(out, wall_ms, kernels, device_ms)
-
-
-def max_rel(actual, expected) -> float:
-    """max |a - b| / max |b| (0 for empty arrays)."""
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30)) if expected.size else 0.0
-
-
 def rel_rms(actual, expected) -> float:
-    """||a - b|| / ||b|| (0 for empty arrays)."""
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30)) if expected.size else 0.0
+    """||a - b|| / ||b|| in float64 (torch tensors too); ||a|| where b is all zeros, 0 for empty arrays."""
+    actual, expected = (np.asarray(x.detach().float().cpu().numpy() if hasattr(x, "detach") else x, np.float64)
+                        for x in (actual, expected))
+    if actual.shape != expected.shape:
+        raise ValueError(f"actual: shape {actual.shape} != expected {expected.shape}")
+    if not expected.size:
+        return 0.0
+    norm = np.linalg.norm(expected)
+    return float(np.linalg.norm(actual - expected) / norm) if norm else float(np.linalg.norm(actual))
 
 
 def torch_time(fn, *, warmup_ms: int = 50, rep_ms: int = 300) -> dict:
@@ -196,7 +202,8 @@ def torch_time(fn, *, warmup_ms: int = 50, rep_ms: int = 300) -> dict:
     return {"median_ms": float(median), "p20_ms": float(p20), "p80_ms": float(p80), "n": None}
 
 
-def _stats(times) -> dict:
+def stats(times) -> dict:
+    """median, p20 and p80 (ms) and the count of a list of times in ms: the timing fields of a result row."""
     times = np.asarray(times)
     return {"median_ms": float(np.median(times)), "p20_ms": float(np.percentile(times, 20)),
             "p80_ms": float(np.percentile(times, 80)), "n": int(times.size)}
@@ -219,8 +226,7 @@ class Recorder:
 
     def write(self) -> Path:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        payload = {"schema": SCHEMA, "name": self.name, "device": device(), "versions": versions(),
-                   "command": " ".join([Path(sys.executable).name, *sys.argv]), "started": self.started,
+        payload = {"schema": SCHEMA, "name": self.name, **environment(), "started": self.started,
                    "results": self.results}
         path = self.out_dir / f"{self.name}.json"
         path.write_text(json.dumps(payload, indent=1))
@@ -239,3 +245,19 @@ def table(payload: dict) -> str:
                      f"{fmt(r.get('median_ms'))} | {fmt(r.get('p20_ms'))} | {fmt(r.get('p80_ms'))} | "
                      f"{fmt(r.get('device_ms'))} | {fmt(r.get('pipelined_ms'))} | {r.get('note', '')} |")
     return "\n".join(lines) + "\n"
+
+
+def one_prompt_step(config, prompt, offsets: list[int]):
+    """(tokens, meta, num_kv_pages, num_state_slots) of one fresh prompt in one step: KV pages 1..n, the initial state
+    from slot 0, the final state to slot 1, the checkpoints at the query-relative `offsets` to slots 2, 3, ..."""
+    from jaxckpt.layers import StepMetadata, pack_tokens
+
+    num_tokens = len(prompt)
+    pages = -(-num_tokens // config.block_size)
+    meta = StepMetadata.build([num_tokens], context_lens=[0], block_tables=[list(range(1, pages + 1))],
+                              initial_state_indices=[0], final_state_indices=[1], checkpoint_cu=[0, len(offsets)],
+                              checkpoint_offsets=offsets, checkpoint_state_indices=list(range(2, 2 + len(offsets))),
+                              block_size=config.block_size, num_kv_pages=pages + 1,
+                              num_state_slots=len(offsets) + 2, max_model_len=config.max_model_len,
+                              num_tokens=num_tokens)
+    return pack_tokens([prompt], num_tokens), meta, pages + 1, len(offsets) + 2

@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
-import os
 import sys
 import time
 import traceback
@@ -44,7 +43,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bench.common import Recorder, jax_time
+from bench.common import Recorder, cli_main, jax_time, out_dir
 from jaxckpt.engine.demo import workload
 from jaxckpt.engine.scheduler import MODES, Engine, EngineConfig, HybridRunner
 from jaxckpt.layers.metadata import StepMetadata
@@ -382,16 +381,17 @@ def print_summary(setup: Setup, blocks: list[dict], engine: dict, compile_s: flo
     header = (f"{'block':>5} {'ckpt at':>7} {'plain':>9} {'ckpt':>9} {'step1':>9} {'step2':>9} {'two_step':>9} "
               f"{'ckpt/plain':>10} {'ckpt/2step':>10} {'saving':>8} {'predicted':>9} {'logits err':>10} "
               f"{'state err':>9}")
-    print(header)
-    print("-" * len(header))
+    lines = []
     for b in blocks:
         state = [b.get(k) for k in ("ckpt_conv_state_vs_step1", "ckpt_recurrent_state_vs_step1")]
         state = None if None in state else max(state)
-        print(f"{b['block']:>5} {fmt(b.get('boundary'), 'd'):>7} {fmt(b.get('plain')):>9} {fmt(b.get('ckpt')):>9} "
-              f"{fmt(b.get('step1')):>9} {fmt(b.get('step2')):>9} {fmt(b.get('two_step')):>9} "
-              f"{fmt(b.get('ratio_plain'), '.3f'):>10} {fmt(b.get('ratio_two_step'), '.3f'):>10} "
-              f"{fmt(b.get('measured_saving')):>8} {fmt(b.get('predicted_saving')):>9} "
-              f"{fmt(b.get('ckpt_logits_vs_plain'), '.1e'):>10} {fmt(state, '.1e'):>9}")
+        lines.append(f"{b['block']:>5} {fmt(b.get('boundary'), 'd'):>7} {fmt(b.get('plain')):>9} "
+                     f"{fmt(b.get('ckpt')):>9} {fmt(b.get('step1')):>9} {fmt(b.get('step2')):>9} "
+                     f"{fmt(b.get('two_step')):>9} {fmt(b.get('ratio_plain'), '.3f'):>10} "
+                     f"{fmt(b.get('ratio_two_step'), '.3f'):>10} {fmt(b.get('measured_saving')):>8} "
+                     f"{fmt(b.get('predicted_saving')):>9} {fmt(b.get('ckpt_logits_vs_plain'), '.1e'):>10} "
+                     f"{fmt(state, '.1e'):>9}")
+    print("\n".join([header, "-" * len(header), *lines]))
     print(f"goals: ckpt/plain <= {RATIO_GOAL}, ckpt/2step < 1; saving = two_step - ckpt, predicted = step2 - "
           "(plain - step1); errors: ckpt vs plain logits, ckpt state vs step1's final state")
     if engine:
@@ -438,7 +438,7 @@ def run(args: argparse.Namespace):
         if value < 1:
             raise ValueError(f"{name}: must be positive, got {value}")
     name = args.name or ("e2e_tiny" if args.tiny else "e2e")
-    rec = Recorder(name, os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    rec = Recorder(name, out_dir())
     # tiny widths, one period of the bench model's layer pattern: the smoke run traces the layers the GPU run times
     factory = (lambda **kw: HybridConfig.tiny(layer_types=HybridConfig.bench().layer_types[:4], **kw)) if args.tiny \
         else HybridConfig.bench
@@ -486,13 +486,7 @@ def run(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return cli_main(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 GPU: `python -m bench.fla_vectors_error [--impls xla "pallas_mosaic_gpu@state_terms=1" ...] [--name NAME]` (writes
 NAME.json, default fla_vectors_error.json, under $OUT or bench/results; `--impls` takes `bench.common`
-implementation specs, `impl@option=value,...`; the JAXCKPT_IMPLS variable, comma-separated names, still works). For every
+implementation specs, `impl@option=value,...`; the JAXCKPT_IMPLS variable, comma-separated names, works too). For every
 bf16 case of gdn and kda: FLA's chunk kernels on exactly the stored inputs (the KDA gate evaluated beforehand in
 float64 and fed as the log decay), checkpoints through FLA the only way it can give them (a prefix-only run per
 checkpoint), and jaxckpt's implementations on the same inputs; rel-RMS per tensor against the float64 expectations.
@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 
+from bench.common import environment, out_dir
 from tests.vectors.loader import TOLERANCES, load_cases, measure_case
 
 
@@ -89,9 +89,8 @@ def main(argv=None):
     parser.add_argument("--impls", nargs="+", default=os.environ.get("JAXCKPT_IMPLS", "xla").split(","))
     parser.add_argument("--name", default="fla_vectors_error")
     args = parser.parse_args(argv)
-    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     implementations = args.impls
-    results = {"tolerances": TOLERANCES, "cases": []}
+    results = {**environment(), "tolerances": TOLERANCES, "cases": []}
     for op in ("gdn", "kda"):
         for case in load_cases(op):
             if case.tolerance_class != "bf16":
@@ -106,8 +105,9 @@ def main(argv=None):
                     entry[name] = f"FAIL {type(error).__name__}: {str(error)[:300]}"
             results["cases"].append(entry)
             print(json.dumps(entry), flush=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{args.name}.json").write_text(json.dumps(results, indent=1))
+    out = out_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from bench.common import Recorder, jax_pipelined, jax_time, kernel_times, torch_time  # noqa: E402
+from bench.common import Recorder, jax_pipelined, jax_time, kernel_times, out_dir, torch_time  # noqa: E402
 
 def routing_sizes(rng, tokens: int, experts: int, top_k: int) -> np.ndarray:
     """i32[E]: pairs per expert when every token picks top_k distinct experts uniformly."""
@@ -92,7 +92,7 @@ def main(argv=None):
     from jaxckpt.ops.grouped_matmul import default_config, grouped_matmul, pallas_triton
 
     print(f"devices: {jax.devices()}", flush=True)
-    rec = Recorder(args.name, os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    rec = Recorder(args.name, out_dir())
     variants = [None] + [parse_variant(v) for v in args.variants]
     rng = np.random.default_rng(0)
     if args.interpret:

@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import Recorder, jax_time, rel_rms  # noqa: E402
+from bench.common import Recorder, jax_time, one_prompt_step, out_dir, rel_rms, stats as time_stats  # noqa: E402
 
 
 
@@ -114,22 +114,7 @@ def time_torch(fn, *, reps: int) -> dict:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append((time.perf_counter() - began) * 1e3)
-    times = np.asarray(times)
-    return {"median_ms": float(np.median(times)), "p20_ms": float(np.percentile(times, 20)),
-            "p80_ms": float(np.percentile(times, 80)), "n": int(times.size)}
-
-
-def ours_inputs(config, num_tokens: int, offsets: list[int], prompt):
-    from jaxckpt.layers import StepMetadata, pack_tokens
-
-    pages = -(-num_tokens // config.block_size)
-    meta = StepMetadata.build([num_tokens], context_lens=[0], block_tables=[list(range(1, pages + 1))],
-                              initial_state_indices=[0], final_state_indices=[1], checkpoint_cu=[0, len(offsets)],
-                              checkpoint_offsets=offsets, checkpoint_state_indices=list(range(2, 2 + len(offsets))),
-                              block_size=config.block_size, num_kv_pages=pages + 1,
-                              num_state_slots=len(offsets) + 2, max_model_len=config.max_model_len,
-                              num_tokens=num_tokens)
-    return pack_tokens([prompt], num_tokens), meta, pages + 1, len(offsets) + 2
+    return time_stats(times)
 
 
 def main(argv=None) -> int:
@@ -150,8 +135,7 @@ def main(argv=None) -> int:
     dtype = "bfloat16" if on_gpu else "float32"
     every = args.every or (64 if args.tiny else 1024)
     lengths = args.tokens or ([256, 512] if args.tiny else [8192, 32768])
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    rec = Recorder(args.name or ("models_prefill_tiny_cpu" if args.tiny else "models_prefill_gpu"), out_dir)
+    rec = Recorder(args.name or ("models_prefill_tiny_cpu" if args.tiny else "models_prefill_gpu"), out_dir())
     shape = {"hidden": 2048, "gdn": [16, 32, 128], "attn": [16, 2, 256], "experts": [512, 10, 512], "layers": 4}
     if args.tiny:
         shape = {"tiny": True}
@@ -221,7 +205,7 @@ def main(argv=None) -> int:
             row = dict(op="prefill", implementation="jaxckpt", shape=shape | {"T": n}, rows=1, checkpoints=label,
                        num_checkpoints=len(offsets), dtype=dtype)
             try:
-                tokens, meta, pages, slots = ours_inputs(ours.config, n, offsets, prompts[n])
+                tokens, meta, pages, slots = one_prompt_step(ours.config, prompts[n], offsets)
                 holder = {"caches": ours.init_caches(pages, slots)}
 
                 def call():

@@ -1,64 +1,33 @@
 """Times jaxckpt's op implementations and the peers (FLA, jla, a token-by-token scan) in the same run.
 
-GPU: `python -m bench.ops_bench --impls xla --peers fla jla scan --name ops_xla_h200` (writes
-bench/results/<name>.json and .md, or under $OUT when set). CPU smoke run: `--tiny`.
-Inputs as the anchors (../shared/anchors): q, k L2-normalised bf16, v bf16, g log-decay fp32 (per head for GDN, per
-key channel / 8 for KDA), beta fp32 in (0, 1), an fp32 initial state per row, the final state returned.
-Checkpoint settings per shape: none, one per row (the row's last 512-token boundary) and one every 1024 tokens.
+GPU: `python -m bench.ops_bench --ops gdn --impls default --modes per_row --peers jla fla --device-time --name NAME`
+(writes bench/results/<name>.json and .md, or under $OUT when set). CPU smoke run: `--tiny`. The cases (anchor
+shapes, the varlen mix, checkpoint settings, inputs) are `bench.cases`'; the method is in bench/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from bench.common import Recorder, implementation_spec, jax_device_fields, jax_time, torch_time  # noqa: E402
+from bench.cases import (DELTA_SHAPES, MODES, SSD_SHAPES, TINY_DELTA, TINY_SSD, VARLEN_MIX,  # noqa: E402
+                         checkpoint_lists, delta_inputs, ssd_inputs)
+from bench.common import (Recorder, attempt, implementation_spec, jax_device_fields, jax_time, out_dir,  # noqa: E402
+                          torch_time)
 
-DELTA_SHAPES = [(1, 8192, 16), (1, 32768, 16), (8, 4096, 32)]
-VARLEN_MIX = [1024, 2048, 7168, 3072, 512, 9216, 4096, 5632]      # 8 rows, 32768 tokens, H = 16
 DEVICE_TIME = False  # --device-time
-SSD_SHAPES = [(8192, 128), (32768, 32)]                           # (T, H) with P = 64, N = 128, G = 1
-TINY_DELTA = [(1, 256, 2), (2, 128, 2)]
-TINY_SSD = [(256, 4)]
 
 
-def checkpoint_lists(lengths, mode):
-    """CSR checkpoints: none, the last 512-token boundary per row, or one every 1024 tokens."""
-    rows = []
-    for length in lengths:
-        if mode == "none":
-            rows.append([])
-        elif mode == "per_row":
-            pos = (length - 1) // 512 * 512
-            rows.append([pos] if pos > 0 else [])
-        else:
-            rows.append(list(range(1024, length, 1024)))
-    ccu = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int32)
-    offsets = np.asarray([o for r in rows for o in r], np.int32)
-    return ccu, offsets
-
-
-def delta_inputs(lengths, H, D, kind, seed=0):
-    rng = np.random.default_rng(seed)
-    T = int(sum(lengths))
-    q = rng.standard_normal((T, H, D)).astype(np.float32)
-    q /= np.linalg.norm(q, axis=-1, keepdims=True)
-    k = rng.standard_normal((T, H, D)).astype(np.float32)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((T, H, D)).astype(np.float32)
-    shape = (T, H) if kind == "gdn" else (T, H, D)
-    g = -np.log1p(np.exp(-rng.standard_normal(shape))).astype(np.float32)
-    if kind == "kda":
-        g /= 8
-    beta = (1 / (1 + np.exp(-rng.standard_normal((T, H))))).astype(np.float32)
-    h0 = (rng.standard_normal((len(lengths), H, D, D)) * 0.1).astype(np.float32)
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return q, k, v, g, beta, h0, cu
+def timed(f, *args) -> dict:
+    """A JAX row's timing fields: `jax_time`'s, and with --device-time the device and pipelined times."""
+    t = jax_time(f, *args)
+    if DEVICE_TIME:
+        t.update(jax_device_fields(f, *args))
+    return t
 
 
 def bench_ours_delta(rec, kind, impl, lengths, H, D, shape_label, modes):
@@ -77,16 +46,10 @@ def bench_ours_delta(rec, kind, impl, lengths, H, D, shape_label, modes):
         f = jax.jit(lambda q, k, v, g, beta, h0, cu, ccu, off: fn(
             q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
             implementation=impl, kernel_options=kernel_options))
-        try:
-            t = jax_time(f, *args, jnp.asarray(ccu), jnp.asarray(offsets))
-            if DEVICE_TIME:
-                t.update(jax_device_fields(f, *args, jnp.asarray(ccu), jnp.asarray(offsets)))
-            rec.add(op=kind, implementation=spec, shape=shape_label, rows=list(lengths), checkpoints=mode,
-                    num_checkpoints=int(offsets.size), dtype="bf16", **t)
-        except Exception as error:  # noqa: BLE001 - record the failure and go on
-            traceback.print_exc()
-            rec.add(op=kind, implementation=spec, shape=shape_label, checkpoints=mode, median_ms=None,
-                    note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+        row = dict(op=kind, implementation=spec, shape=shape_label, checkpoints=mode)
+        attempt(rec, lambda: rec.add(
+            **row, rows=list(lengths), num_checkpoints=int(offsets.size), dtype="bf16",
+            **timed(f, *args, jnp.asarray(ccu), jnp.asarray(offsets))), **row)
 
 
 def bench_fla_delta(rec, kind, lengths, H, D, shape_label, batched):
@@ -158,11 +121,8 @@ def bench_jla_delta(rec, kind, impl, lengths, H, D, shape_label):
     f = jax.jit(lambda q, k, v, g, beta, h0: linear_attention(name, q, k, v, g=g, beta=beta, impl=impl,
                                                               initial_state=h0, output_final_state=True))
     args = (bf(q), bf(k), bf(v), jnp.asarray(shp(g)), jnp.asarray(shp(beta)), jnp.asarray(h0))
-    t = jax_time(f, *args)
-    if DEVICE_TIME:
-        t.update(jax_device_fields(f, *args))
     rec.add(op=kind, implementation=f"jla_{impl}", shape=shape_label, rows=list(lengths), checkpoints="none",
-            dtype="bf16", **t)
+            dtype="bf16", **timed(f, *args))
 
 
 def bench_scan_gdn(rec, lengths, H, D, shape_label):
@@ -186,17 +146,6 @@ def bench_scan_gdn(rec, lengths, H, D, shape_label):
             dtype="fp32", **jax_time(scan, *(jnp.asarray(a) for a in (q, k, v, g, beta, h0)), reps=5))
 
 
-def ssd_inputs(T, H, N, P, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((T, H, P)).astype(np.float32)
-    dt = (rng.standard_normal((T, H)) - 2).astype(np.float32)
-    A = -np.exp(rng.uniform(0, 2.7, (H,))).astype(np.float32)
-    B = (rng.standard_normal((T, 1, N)) * 0.1).astype(np.float32)
-    C = (rng.standard_normal((T, 1, N)) * 0.1).astype(np.float32)
-    h0 = (rng.standard_normal((1, H, P, N)) * 0.1).astype(np.float32)
-    return x, dt, A, B, C, h0
-
-
 def bench_ours_ssd(rec, impl, T, H, modes, N=128, P=64):
     import jax
     import jax.numpy as jnp
@@ -206,39 +155,24 @@ def bench_ours_ssd(rec, impl, T, H, modes, N=128, P=64):
     x, dt, A, B, C, h0 = ssd_inputs(T, H, N, P)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     cu = jnp.asarray([0, T], jnp.int32)
+    shape = {"T": T, "H": H, "P": P, "N": N, "G": 1}
     impl, kernel_options = implementation_spec(spec := impl)
     for mode in modes:
         ccu, offsets = checkpoint_lists([T], mode)
         f = jax.jit(lambda x, dt, A, B, C, h0, cu, ccu, off: ops.ssd(
             x, dt, A, B, C, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
             implementation=impl, kernel_options=kernel_options))
-        try:
-            args = (bf(x), bf(dt), jnp.asarray(A), bf(B), bf(C), jnp.asarray(h0), cu, jnp.asarray(ccu),
-                    jnp.asarray(offsets))
-            t = jax_time(f, *args)
-            if DEVICE_TIME:
-                t.update(jax_device_fields(f, *args))
-            rec.add(op="ssd", implementation=spec, shape={"T": T, "H": H, "P": P, "N": N, "G": 1}, checkpoints=mode,
-                    num_checkpoints=int(offsets.size), dtype="bf16", **t)
-        except Exception as error:  # noqa: BLE001
-            traceback.print_exc()
-            rec.add(op="ssd", implementation=spec, shape={"T": T, "H": H}, checkpoints=mode, median_ms=None,
-                    note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+        args = (bf(x), bf(dt), jnp.asarray(A), bf(B), bf(C), jnp.asarray(h0), cu, jnp.asarray(ccu),
+                jnp.asarray(offsets))
+        row = dict(op="ssd", implementation=spec, shape=shape, checkpoints=mode)
+        attempt(rec, lambda: rec.add(**row, num_checkpoints=int(offsets.size), dtype="bf16", **timed(f, *args)), **row)
     # the same row as a batch [1, T, ...] (cu_seqlens None), as the peers take it: rows known to lie on the chunk
     # grid let a kernel skip its varlen gathers
     f = jax.jit(lambda x, dt, A, B, C, h0: ops.ssd(x[None], dt[None], A, B[None], C[None], initial_state=h0,
                                                     implementation=impl, kernel_options=kernel_options))
-    try:
-        args = (bf(x), bf(dt), jnp.asarray(A), bf(B), bf(C), jnp.asarray(h0))
-        t = jax_time(f, *args)
-        if DEVICE_TIME:
-            t.update(jax_device_fields(f, *args))
-        rec.add(op="ssd", implementation=spec, shape={"T": T, "H": H, "P": P, "N": N, "G": 1, "batched": True},
-                checkpoints="none", dtype="bf16", **t)
-    except Exception as error:  # noqa: BLE001
-        traceback.print_exc()
-        rec.add(op="ssd", implementation=spec, shape={"T": T, "H": H, "batched": True}, checkpoints="none",
-                median_ms=None, note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+    args = (bf(x), bf(dt), jnp.asarray(A), bf(B), bf(C), jnp.asarray(h0))
+    row = dict(op="ssd", implementation=spec, shape=shape | {"batched": True}, checkpoints="none")
+    attempt(rec, lambda: rec.add(**row, dtype="bf16", **timed(f, *args)), **row)
 
 
 def bench_peers_ssd(rec, peers, T, H, N=128, P=64):
@@ -270,20 +204,18 @@ def bench_peers_ssd(rec, peers, T, H, N=128, P=64):
         f = jax.jit(lambda q, k, v, g, h0: linear_attention("simple_gla", q, k, v, g=g, impl="mosaic_gpu", scale=1.0,
                                                             initial_state=h0, output_final_state=True))
         args = (bf(Cq), bf(Bk), bf(v), jnp.asarray(g[None]), jnp.asarray(h0_kv))
-        t = jax_time(f, *args)
-        if DEVICE_TIME:
-            t.update(jax_device_fields(f, *args))
         rec.add(op="ssd", implementation="jla_mosaic_gpu_simple_gla", shape=shape, checkpoints="none", dtype="bf16",
-                **t)
+                **timed(f, *args))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ops", nargs="+", default=["gdn", "kda", "ssd"])
     parser.add_argument("--impls", nargs="+", default=["xla"],
-                        help="implementations, optionally with kernel options: pallas_triton@kda_intra=split")
+                        help="implementation specs: 'default' (the call with no implementation and no tuning), "
+                             "xla, pallas_mosaic_gpu@intra=mosaic_gpu, pallas_triton@kda_intra=split, ...")
     parser.add_argument("--peers", nargs="*", default=[], help="fla jla jla_chunked scan")
-    parser.add_argument("--modes", nargs="+", default=["none", "per_row", "every_1024"])
+    parser.add_argument("--modes", nargs="+", default=MODES)
     parser.add_argument("--impl-modes", nargs="*", default=[],
                         help="per-implementation checkpoint modes, e.g. xla=none,every_1024")
     parser.add_argument("--name", default="ops")
@@ -297,8 +229,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     global DEVICE_TIME
     DEVICE_TIME = args.device_time
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    rec = Recorder(args.name, out_dir)
+    rec = Recorder(args.name, out_dir())
     impl_modes = {impl: args.modes for impl in args.impls}
     impl_modes.update({k: v.split(",") for k, v in (item.rsplit("=", 1) for item in args.impl_modes)})
     D = 16 if args.tiny else 128
@@ -320,24 +251,15 @@ def main(argv=None):
                                  ("scan", lambda: bench_scan_gdn(rec, lengths, H, D, label)
                                   if kind == "gdn" and lengths == [8192] or args.tiny and kind == "gdn" else None)):
                 if peer in args.peers:
-                    try:
-                        runner()
-                    except Exception as error:  # noqa: BLE001
-                        traceback.print_exc()
-                        rec.add(op=kind, implementation=peer, shape=label, checkpoints="none", median_ms=None,
-                                note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+                    attempt(rec, runner, op=kind, implementation=peer, shape=label, checkpoints="none")
             rec.write()
     if "ssd" in args.ops:
         for T, H in (TINY_SSD if args.tiny else SSD_SHAPES):
             print(f"== ssd T={T} H={H}", flush=True)
             for impl in args.impls:
                 bench_ours_ssd(rec, impl, T, H, impl_modes[impl], N=16 if args.tiny else 128, P=8 if args.tiny else 64)
-            try:
-                bench_peers_ssd(rec, args.peers, T, H)
-            except Exception as error:  # noqa: BLE001
-                traceback.print_exc()
-                rec.add(op="ssd", implementation="peers", shape={"T": T, "H": H}, checkpoints="none",
-                        median_ms=None, note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+            attempt(rec, lambda: bench_peers_ssd(rec, args.peers, T, H), op="ssd", implementation="peers",
+                    shape={"T": T, "H": H}, checkpoints="none")
             rec.write()
     print(f"wrote {rec.write()}")
 

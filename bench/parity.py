@@ -6,8 +6,9 @@ table) and `<name>_timing.json` / `.md` (Recorder schema) under $OUT, else bench
 Parity: GDN, KDA (K = V = 128, H = 2, HV = 4, varlen rows with 1-token and checkpoint-free rows) and SSD (H = 8,
 P = 64, N = 128, G = 2) through jaxckpt (xla, pallas_triton, pallas_mosaic_gpu: its defaults, version 1 and
 options, `MOSAIC_GPU_ROWS`), torch_bridge (FLA split, FLA KDA intermediate states, the Triton SSD at ieee and
-tf32 dots, the DLPack bridge onto jaxckpt's xla path) against the float64 reference run on exactly the bf16-rounded inputs; rel-RMS of the output, the final states
-and every checkpoint on its own. KDA offsets lie on the 64 grid so the native path sees the same checkpoints. A failing path is recorded with its error.
+tf32 dots, the DLPack bridge onto jaxckpt's xla path) against the float64 reference run on exactly the bf16-rounded
+inputs; rel-RMS of the output, the final states and every checkpoint on its own. KDA offsets lie on the 64 grid so
+the native path sees the same checkpoints. A failing path is recorded with its error.
 
 Timing: FLA 0.6.0 plain (final states only), split with one checkpoint per row (the row's last 512-token boundary;
 host planning and gathers included), and KDA with intermediate states, at the anchor shapes (B, T, H) = (1, 8192, 16),
@@ -24,30 +25,18 @@ import json
 import os
 import time
 import traceback
-from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import Recorder, device, implementation_spec, torch_time, versions  # noqa: E402
-
-ANCHOR_SHAPES = [(1, 8192, 16), (1, 32768, 16), (8, 4096, 32)]
+from bench.cases import DELTA_SHAPES, checkpoint_lists, delta_inputs  # noqa: E402
+from bench.common import Recorder, attempt, environment, implementation_spec, out_dir, rel_rms, torch_time  # noqa: E402
 
 
 def bf16_round(a):
     return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
-
-
-def rel_rms(out, expected) -> float:
-    if hasattr(out, "detach"):
-        out = out.detach().float().cpu().numpy()
-    out = np.asarray(out, np.float64)
-    expected = np.asarray(expected, np.float64)
-    if out.shape != expected.shape:
-        raise ValueError(f"out: shape {out.shape} != expected {expected.shape}")
-    return float(np.linalg.norm(out - expected) / np.linalg.norm(expected))
 
 
 def delta_problem(op, seed):
@@ -222,7 +211,8 @@ def fla_ssd(arrays, options, h0, cu):
 
 
 def parity_markdown(payload: dict) -> str:
-    lines = [f"# {payload['name']}", "", f"device: {payload['device']}", f"versions: {payload['versions']}", "",
+    lines = [f"# {payload['name']}", "", f"device: {payload['device']}", f"versions: {payload['versions']}",
+             f"command: `{payload['command']}`", "",
              "rel-RMS against the float64 reference on the same bf16-rounded inputs (bf16 class bound 6e-3).", "",
              "| op | path | output | final states | worst checkpoint | every checkpoint (row, offset: rel-RMS) |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -241,7 +231,6 @@ def parity_markdown(payload: dict) -> str:
 def timing(recorder: Recorder) -> None:
     import torch
 
-    from bench.ops_bench import checkpoint_lists, delta_inputs
     from torch_bridge.ops import fla_prefill
 
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -250,7 +239,7 @@ def timing(recorder: Recorder) -> None:
     for kind in ("gdn", "kda"):
         fla = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
         split = fla_prefill.chunk_gated_delta_rule_split if kind == "gdn" else fla_prefill.chunk_kda_split
-        for B, T, H in ANCHOR_SHAPES:
+        for B, T, H in DELTA_SHAPES:
             lengths = [T] * B
             shape = {"B": B, "T": T, "H": H, "K": 128, "V": 128}
             print(f"== {kind} {shape}", flush=True)
@@ -270,26 +259,22 @@ def timing(recorder: Recorder) -> None:
                 runs.append(("fla_kda_native_64", "per_row",
                              lambda: fla_prefill.chunk_kda_native(**args, initial_state=initial, **meta)))
             for name, mode, fn in runs:
-                try:
-                    with torch.inference_mode():
-                        recorder.add(op=kind, implementation=name, shape=shape, rows=lengths, checkpoints=mode,
-                                     num_checkpoints=int(offsets.size) if mode != "none" else 0, dtype="bf16",
-                                     note="host planning included" if mode != "none" else "", **torch_time(fn))
-                except Exception as error:  # noqa: BLE001
-                    traceback.print_exc()
-                    recorder.add(op=kind, implementation=name, shape=shape, checkpoints=mode, median_ms=None,
-                                 note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+                row = dict(op=kind, implementation=name, shape=shape, checkpoints=mode)
+                with torch.inference_mode():
+                    attempt(recorder, lambda: recorder.add(
+                        **row, rows=lengths, num_checkpoints=int(offsets.size) if mode != "none" else 0,
+                        dtype="bf16", note="host planning included" if mode != "none" else "", **torch_time(fn)),
+                        **row)
             recorder.write()
 
 
 def export_timing(recorder: Recorder) -> None:
     import torch
 
-    from bench.ops_bench import checkpoint_lists
     from torch_bridge.ops.exporter import export_checkpoints
 
     width, head = 4, 128
-    for B, T, H in ANCHOR_SHAPES:
+    for B, T, H in DELTA_SHAPES:
         lengths = [T] * B
         shape = {"B": B, "T": T, "H": H, "K": head, "V": head, "conv_width": width}
         channels = 3 * H * head
@@ -305,16 +290,11 @@ def export_timing(recorder: Recorder) -> None:
             state_pool = torch.zeros(M + 1, H, head, head, device="cuda")
             states = torch.randn(M, H, head, head, device="cuda")
             args = (x, conv_pool, cu, ccu, offsets, slots)
-            try:
-                recorder.add(op="exporter", implementation="torch_bridge.triton", shape=shape, rows=lengths,
-                             checkpoints=mode, num_checkpoints=M, dtype="bf16 conv, fp32 state",
-                             note="host checks included", **torch_time(lambda: export_checkpoints(
-                                 *args, conv_width=width, recurrent_checkpoints=states,
-                                 recurrent_state_pool=state_pool)))
-            except Exception as error:  # noqa: BLE001
-                traceback.print_exc()
-                recorder.add(op="exporter", implementation="torch_bridge.triton", shape=shape, checkpoints=mode,
-                             median_ms=None, note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+            row = dict(op="exporter", implementation="torch_bridge.triton", shape=shape, checkpoints=mode)
+            attempt(recorder, lambda: recorder.add(
+                **row, rows=lengths, num_checkpoints=M, dtype="bf16 conv, fp32 state", note="host checks included",
+                **torch_time(lambda: export_checkpoints(*args, conv_width=width, recurrent_checkpoints=states,
+                                                        recurrent_state_pool=state_pool))), **row)
         recorder.write()
 
 
@@ -326,17 +306,16 @@ def main(argv=None):
     parser.add_argument("--mosaic-rows", nargs="+", default=None,
                         help="implementation specs run instead of MOSAIC_GPU_ROWS on the GDN and KDA problems")
     args = parser.parse_args(argv)
-    out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir()
+    out.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "parity"):
         print("== parity", flush=True)
-        payload = {"schema": 1, "name": args.name, "device": device(), "versions": versions(),
-                   "results": parity(args.ops, args.mosaic_rows)}
-        (out_dir / f"{args.name}.json").write_text(json.dumps(payload, indent=1))
-        (out_dir / f"{args.name}.md").write_text(parity_markdown(payload))
-        print(f"wrote {out_dir / args.name}.json/.md", flush=True)
+        payload = {"schema": 1, "name": args.name, **environment(), "results": parity(args.ops, args.mosaic_rows)}
+        (out / f"{args.name}.json").write_text(json.dumps(payload, indent=1))
+        (out / f"{args.name}.md").write_text(parity_markdown(payload))
+        print(f"wrote {out / args.name}.json/.md", flush=True)
     if args.only != "parity":
-        recorder = Recorder(f"{args.name}_{args.only or 'timing'}", out_dir)
+        recorder = Recorder(f"{args.name}_{args.only or 'timing'}", out)
         if args.only != "export":
             timing(recorder)
         export_timing(recorder)

@@ -6,7 +6,7 @@ GPU (one H200), one call per op so each fits a 10-minute call:
 (results under $OUT when set, else bench/results/). CPU smoke run of the script: `--tiny` (interpret mode).
 
 Shapes (B, T, H) with K = V = 128, HV = H: (1, 32768, 16), (1, 131072, 16) and the batched anchor (8, 4096, 32).
-Inputs as `bench.ops_bench` (bf16 q, k, v; fp32 log decays and beta; an fp32 initial state per row). Modes: `none`
+Inputs as `bench.cases` (bf16 q, k, v; fp32 log decays and beta; an fp32 initial state per row). Modes: `none`
 (initial state, no checkpoint), `per_row` (initial state + one checkpoint per row, the last 512-token boundary: the
 issue's "including an initial state and one checkpoint"), optionally `every_1024`. Every timed configuration is
 checked once against the plain Pallas call on the same inputs (rel-RMS of o / final / checkpoints, in the row's
@@ -22,16 +22,15 @@ from __future__ import annotations
 import argparse
 import os
 import time
-import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from bench.common import Recorder, jax_time  # noqa: E402
-from bench.ops_bench import bench_fla_delta, bench_jla_delta, checkpoint_lists, delta_inputs  # noqa: E402
+from bench.cases import LONG_SHAPES, checkpoint_lists, delta_inputs  # noqa: E402
+from bench.common import Recorder, attempt, jax_time, out_dir, rel_rms  # noqa: E402
+from bench.ops_bench import bench_fla_delta, bench_jla_delta  # noqa: E402
 
-SHAPES = [(1, 32768, 16), (1, 131072, 16), (8, 4096, 32)]
 TINY_SHAPES = [(1, 512, 2), (2, 256, 2)]
 # (label, kernel options) of the sequence-parallel runs; None = the defaults (piece length from the shape)
 VARIANTS = {
@@ -44,12 +43,6 @@ VARIANTS = {
     "sequential_compose": {"compose": "sequential"},
     "fused_output": {"fuse_output": True},
 }
-
-
-def rel_rms(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    norm = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / norm) if norm else float(np.linalg.norm(a))
 
 
 def bench_shape(rec, kind, lengths, H, D, label, modes, variants, interpret, check, deadline):
@@ -81,7 +74,9 @@ def bench_shape(rec, kind, lengths, H, D, label, modes, variants, interpret, che
             f = jax.jit(lambda q, k, v, g, beta, h0, cu, ccu, off, impl=impl, options=options: fn(
                 q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
                 implementation=impl, kernel_options=options or None))
-            try:
+
+            def run(f=f, impl=impl, name=name):
+                nonlocal plain_out
                 note = ""
                 if check:
                     out = [np.asarray(x, np.float32) for x in f(*args, *extra)]
@@ -94,10 +89,7 @@ def bench_shape(rec, kind, lengths, H, D, label, modes, variants, interpret, che
                 rec.add(op=kind, implementation=impl if name == "plain" else f"{impl}:{name}", shape=label,
                         rows=list(lengths), checkpoints=mode, num_checkpoints=int(offsets.size), dtype="bf16",
                         note=note, **t)
-            except Exception as error:  # noqa: BLE001 - record the failure and go on
-                traceback.print_exc()
-                rec.add(op=kind, implementation=f"{impl}:{name}", shape=label, checkpoints=mode, median_ms=None,
-                        note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+            attempt(rec, run, op=kind, implementation=f"{impl}:{name}", shape=label, checkpoints=mode)
         rec.write()
 
 
@@ -115,10 +107,9 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run (interpret mode, tiny shapes)")
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.deadline_s
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    rec = Recorder(args.name, out_dir)
+    rec = Recorder(args.name, out_dir())
     D = 16 if args.tiny else 128
-    shapes = TINY_SHAPES if args.tiny else SHAPES
+    shapes = TINY_SHAPES if args.tiny else LONG_SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
     variants = args.variants
@@ -134,12 +125,7 @@ def main(argv=None):
             for peer, runner in (("fla", lambda: bench_fla_delta(rec, kind, [T] * B, H, D, label, True)),
                                  ("jla", lambda: bench_jla_delta(rec, kind, "mosaic_gpu", [T] * B, H, D, label))):
                 if peer in args.peers and time.monotonic() < deadline:
-                    try:
-                        runner()
-                    except Exception as error:  # noqa: BLE001
-                        traceback.print_exc()
-                        rec.add(op=kind, implementation=peer, shape=label, checkpoints="none", median_ms=None,
-                                note=f"FAIL {type(error).__name__}: {str(error)[:200]}")
+                    attempt(rec, runner, op=kind, implementation=peer, shape=label, checkpoints="none")
             rec.write()
     print(f"wrote {rec.write()}")
 

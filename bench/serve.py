@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import os
 import sys
 import time
 import traceback
@@ -41,7 +40,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bench.common import device, versions
+from bench.common import cli_main, environment, out_dir
 from jaxckpt.engine.runner import HybridRunner
 from jaxckpt.engine.scheduler import BASELINE, ENGINE_MODES, Engine, EngineConfig
 from jaxckpt.models.hybrid import HybridConfig, HybridModel
@@ -280,7 +279,7 @@ def run(args: argparse.Namespace) -> Path:
     attention, attention_note = attention_preflight(config, attention)
     config = dataclasses.replace(config, attention_implementation=attention)
     name = args.name or f"serve_{args.workload}" + ("_tiny" if tiny else "")
-    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    out = out_dir()
     print(f"serve: {args.workload} workload, {num_prompts} prompts {shape}, OSL {osl}, block {block}, budget "
           f"{budget}, concurrency {concurrencies}, modes {modes}; model {'tiny' if tiny else 'bench'} "
           f"{config.dtype} {'/'.join(config.layer_types)}, {attention_note}; {jax.default_backend()} "
@@ -292,11 +291,10 @@ def run(args: argparse.Namespace) -> Path:
     slots = num_prompts * (per_request + 2) + 2 * budget // block + 8
     runner = ShapeLog(model, prefill_tokens=args.min_bucket or (budget if tiny else 1),
                       num_rows=max(concurrencies), num_checkpoints=max(concurrencies) * 2)
-    report = dict(name=name, device=device(), versions=versions(), command=" ".join(["python", *sys.argv]),
-                  workload=args.workload, shape=shape, prompts=num_prompts, osl=osl, block=block, budget=budget,
-                  model="tiny" if tiny else "bench", dtype=config.dtype, layer_types=list(config.layer_types),
-                  attention=attention, attention_note=attention_note, backend=jax.default_backend(),
-                  pools=dict(num_kv_pages=pages, num_state_slots=slots), runs=[])
+    report = dict(name=name, **environment(), workload=args.workload, shape=shape, prompts=num_prompts, osl=osl,
+                  block=block, budget=budget, model="tiny" if tiny else "bench", dtype=config.dtype,
+                  layer_types=list(config.layer_types), attention=attention, attention_note=attention_note,
+                  backend=jax.default_backend(), pools=dict(num_kv_pages=pages, num_state_slots=slots), runs=[])
     for concurrency in concurrencies:
         firsts = {}
         for mode in modes:
@@ -309,11 +307,11 @@ def run(args: argparse.Namespace) -> Path:
             print(f"    mean TTFT {metrics['mean_ttft_ms']:.1f} ms, {metrics['input_tok_s']:.0f} input tok/s, hit "
                   f"rate {metrics['hit_rate']:.1%}, {metrics['steps']} steps", flush=True)
         derive(report, concurrency, firsts)
-        write(report, out_dir)
+        write(report, out)
     report["compiles"] = dict(shapes=len(runner.compiled), seconds=runner.compile_seconds,
                               worst_padding=runner.worst_padding)
     report["wall_s"] = time.perf_counter() - began
-    path = write(report, out_dir)
+    path = write(report, out)
     print(table(report))
     print(f"wrote {path}")
     return path
@@ -400,13 +398,7 @@ def plot(report: dict, path: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return cli_main(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

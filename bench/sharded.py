@@ -37,8 +37,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench.common import Recorder, jax_time  # noqa: E402
-from jaxckpt.layers import StepMetadata, pack_tokens  # noqa: E402
+from bench.common import Recorder, jax_time, one_prompt_step, out_dir  # noqa: E402
 from jaxckpt.models import HybridConfig, HybridModel, forward  # noqa: E402
 from jaxckpt.models.sharded import ShardedHybrid, head_mesh  # noqa: E402
 
@@ -57,19 +56,6 @@ def checkpoints(num_tokens: int, mode: str, every: int) -> list[int]:
     """Query-relative checkpoint offsets of the one row: none, the last `every` boundary, or one per `every`."""
     boundaries = list(range(every, num_tokens, every))
     return {"none": [], "per_row": boundaries[-1:], "every": boundaries}[mode]
-
-
-def step_inputs(config: HybridConfig, num_tokens: int, offsets: list[int], *, seed: int = 0):
-    """(tokens, meta, num_kv_pages, num_state_slots) of one fresh prompt: final state to slot 1, checkpoints to 2..."""
-    pages = -(-num_tokens // config.block_size)
-    meta = StepMetadata.build([num_tokens], context_lens=[0], block_tables=[list(range(1, pages + 1))],
-                              initial_state_indices=[0], final_state_indices=[1], checkpoint_cu=[0, len(offsets)],
-                              checkpoint_offsets=offsets, checkpoint_state_indices=list(range(2, 2 + len(offsets))),
-                              block_size=config.block_size, num_kv_pages=pages + 1,
-                              num_state_slots=len(offsets) + 2, max_model_len=config.max_model_len,
-                              num_tokens=num_tokens)
-    tokens = np.random.default_rng(seed).integers(0, config.vocab_size, num_tokens)
-    return pack_tokens([tokens], num_tokens), meta, pages + 1, len(offsets) + 2
 
 
 class Timed:
@@ -120,8 +106,7 @@ def main(argv=None) -> int:
     config = wide_config(args.width, tiny=args.tiny)
     if args.implementation:
         config = dataclasses.replace(config, implementation=args.implementation)
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    rec = Recorder(args.name or ("sharded_tiny_cpu" if args.tiny else "sharded_gpu"), out_dir)
+    rec = Recorder(args.name or ("sharded_tiny_cpu" if args.tiny else "sharded_gpu"), out_dir())
     if jax.device_count() < args.devices:
         rec.add(op="hybrid_prefill", implementation=f"{args.devices} devices", shape=None, checkpoints=None,
                 median_ms=None, note=f"failed: JAX has {jax.device_count()} device(s)")
@@ -169,7 +154,8 @@ def main(argv=None) -> int:
         timed = None
         try:
             call, init_caches = runner(devices)
-            tokens, meta, num_pages, num_slots = step_inputs(config, num_tokens, offsets)
+            prompt = np.random.default_rng(0).integers(0, config.vocab_size, num_tokens)
+            tokens, meta, num_pages, num_slots = one_prompt_step(config, prompt, offsets)
             timed = Timed(call, init_caches(num_pages, num_slots), tokens, meta)
             logits_of[devices, mode], first_s = timed.first()
             stats = jax_time(timed, warmup=1, reps=args.reps)

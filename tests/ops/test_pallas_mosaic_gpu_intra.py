@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 # no public accessor in jax 0.11.2 for the race detector's verdict or for resetting after a failed kernel
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races, reset_gpu_interpret_mode_state
 
-from bench.mosaic_gpu_intra_quick import OUTPUTS, gate_cumsum, layout, make_inputs, triton_intra
+from tests.ops.intra_cases import OUTPUTS, gate_cumsum, layout, make_gdn_inputs as make_inputs, triton_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mgi
 
 pytestmark = pytest.mark.interpret

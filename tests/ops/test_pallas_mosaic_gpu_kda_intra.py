@@ -23,7 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 # no public accessor in jax 0.11.2 for the race detector's verdict or for resetting after a failed kernel
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races, reset_gpu_interpret_mode_state
 
-from bench.mosaic_gpu_kda_intra_quick import OUTPUTS, make_inputs, mosaic_kda_intra, prepared, triton_kda_intra
+from tests.ops.intra_cases import OUTPUTS, make_kda_inputs as make_inputs, mosaic_kda_intra, prepared, triton_kda_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mki
 
 pytestmark = pytest.mark.interpret

@@ -1,0 +1,134 @@
+"""Inputs and Triton reference launches shared by the Mosaic GPU intra-chunk kernel tests (GDN and KDA): fp32 numpy
+inputs as the layers feed them (l2-normalized q and k), the chunk layout and gate cumsum `delta_rule` builds, and the
+Triton intra passes the Mosaic GPU kernels are compared with."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+OUTPUTS = ("w", "u", "kd", "qg", "aqk")
+CHUNK = 64
+
+
+def _unit_qk(rng, num_tokens, num_heads, head_k):
+    def unit(x):
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    return (unit(rng.normal(size=(num_tokens, num_heads, head_k))).astype(np.float32),
+            unit(rng.normal(size=(num_tokens, num_heads, head_k))).astype(np.float32))
+
+
+def make_gdn_inputs(rng, num_tokens, num_heads, num_v_heads, head_k, head_v):
+    """fp32 numpy q, k (l2-normalized per token), v, g (log decays <= 0, a few strong ones) and beta in (0, 1)."""
+    g_shape = (num_tokens, num_v_heads)
+    g = -rng.exponential(0.3, size=g_shape) - np.where(rng.random(g_shape) < 0.05, 4.0, 0.0)
+    q, k = _unit_qk(rng, num_tokens, num_heads, head_k)
+    return dict(q=q, k=k, v=rng.normal(size=(num_tokens, num_v_heads, head_v)).astype(np.float32),
+                g=g.astype(np.float32), beta=rng.uniform(0.05, 0.95, size=g_shape).astype(np.float32))
+
+
+def make_kda_inputs(rng, num_tokens, num_heads, num_v_heads, head_k, head_v, *, strong=False):
+    """fp32 numpy q, k (l2-normalized per token), v, per-channel log decays g [T, HV, K] <= 0 and beta in (0, 1).
+
+    Default decays: mostly mild, a few strong channels. strong=True: every channel decays by 3 to 6 per token, with
+    -30 spikes, so a chunk's G falls far below -88 (exp(-G) overflows fp32) and many factors underflow.
+    """
+    g_shape = (num_tokens, num_v_heads, head_k)
+    if strong:
+        g = -rng.uniform(3.0, 6.0, size=g_shape) - np.where(rng.random(g_shape) < 0.02, 30.0, 0.0)
+    else:
+        g = -rng.exponential(0.1, size=g_shape) - np.where(rng.random(g_shape) < 0.03, 3.0, 0.0)
+    q, k = _unit_qk(rng, num_tokens, num_heads, head_k)
+    return dict(q=q, k=k, v=rng.normal(size=(num_tokens, num_v_heads, head_v)).astype(np.float32),
+                g=g.astype(np.float32),
+                beta=rng.uniform(0.05, 0.95, size=(num_tokens, num_v_heads)).astype(np.float32))
+
+
+def layout(cu_seqlens, num_tokens, chunk=CHUNK):
+    """chunk_start, chunk_len (i32[NC]) of packed rows, as `delta_rule` builds them (no checkpoints)."""
+    import jax.numpy as jnp
+
+    from jaxckpt.plan.layout import chunk_layout
+
+    rows = len(cu_seqlens) - 1
+    lay = chunk_layout(jnp.asarray(cu_seqlens, jnp.int32), jnp.zeros(rows + 1, jnp.int32), jnp.zeros(0, jnp.int32),
+                       chunk_size=chunk, num_tokens=num_tokens, xp=jnp)
+    return lay.chunk_start, lay.chunk_len
+
+
+def gate_cumsum(chunk_start, chunk_len, g, *, chunk=CHUNK, interpret=False):
+    """G = fp32 [HV, NC, C], the Triton `_cumsum_kernel` launch of `delta_rule`."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    from jaxckpt.ops.common import pallas_triton_delta as ptd
+
+    num_chunks, num_v_heads = chunk_start.shape[0], g.shape[1]
+    full = pl.BlockSpec()
+    return pl.pallas_call(
+        functools.partial(ptd._cumsum_kernel, chunk=chunk, channel=False),
+        out_shape=jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk), jnp.float32),
+        grid=(num_chunks, num_v_heads), in_specs=[full, full, full],
+        out_specs=pl.BlockSpec((None, None, chunk), lambda c, h: (h, c, 0)), interpret=interpret,
+    )(chunk_start, chunk_len, g.astype(jnp.float32))
+
+
+def triton_intra(chunk_start, chunk_len, q, k, v, beta, G, *, group, scale, chunk=CHUNK, interpret=False,
+                 num_warps=4):
+    """(w, u, kd, qg, aqk) of the Triton `_intra_kernel_v2` launch, with `delta_rule`'s arguments for GDN."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    from jaxckpt.ops.common import pallas_triton_delta as ptd
+    from jaxckpt.ops.common.pallas_triton_tiles import Dots
+
+    io_dtype = jnp.promote_types(k.dtype, v.dtype)
+    io_dtype = jnp.float32 if io_dtype.itemsize >= 4 else io_dtype
+    q, k = q.astype(io_dtype), k.astype(io_dtype)
+    num_chunks = chunk_start.shape[0]
+    num_v_heads = v.shape[1]
+    widths = (k.shape[-1], v.shape[-1], k.shape[-1], k.shape[-1], chunk)
+    full = pl.BlockSpec()
+    block = lambda width: pl.BlockSpec((None, None, chunk, width), lambda c, h: (h, c, 0, 0))  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(ptd._intra_kernel_v2, chunk=chunk, group=group, channel=False, scale=float(scale),
+                          dots=Dots(io_dtype)),
+        out_shape=tuple(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, w), io_dtype) for w in widths),
+        grid=(num_chunks, num_v_heads), in_specs=[full] * 6 + [pl.BlockSpec((None, None, chunk),
+                                                                            lambda c, h: (h, c, 0))],
+        out_specs=tuple(block(w) for w in widths),
+        compiler_params=plt.CompilerParams(num_warps=num_warps), interpret=interpret, name="delta_intra",
+    )(chunk_start, chunk_len, q, k, v, beta, G)
+
+
+def prepared(x, cu_seqlens, dtype, *, interpret=False):
+    """`pallas_triton_delta.prepare` of the KDA inputs x (q, k, v in `dtype`): layout, casts and G [HV, NC, C, K]."""
+    import jax.numpy as jnp
+
+    from jaxckpt.ops.common import pallas_triton_delta as ptd
+
+    q, k, v = (jnp.asarray(x[name], dtype) for name in ("q", "k", "v"))
+    return ptd.prepare(q, k, v, jnp.asarray(x["g"]), jnp.asarray(x["beta"]), per_channel_decay=True, scale=None,
+                       use_qk_l2norm=False, cu_seqlens=jnp.asarray(cu_seqlens, jnp.int32), checkpoint_cu=None,
+                       checkpoint_offsets=None, chunk_size=CHUNK, interpret=interpret)
+
+
+def triton_kda_intra(p, q, k, v, beta, G, *, interpret=False):
+    """(w, u, kd, qg, aqk) of the Triton KDA intra launches (`intra_v2`, default "split") on p's layout."""
+    from jaxckpt.ops.common import pallas_triton_delta as ptd
+
+    return ptd.intra_v2(p._replace(q=q, k=k, v=v, beta=beta, G=G), per_channel_decay=True, chunk_size=CHUNK,
+                        interpret=interpret)
+
+
+def mosaic_kda_intra(p, q, k, v, beta, G, *, interpret=False, **tuning):
+    """(w, u, kd, qg, aqk) of the Mosaic GPU kernel on p's layout."""
+    from jaxckpt.ops.common.pallas_mosaic_gpu_kda_intra import kda_intra
+
+    return kda_intra(p.lay.chunk_start, p.lay.chunk_len, q, k, v, beta, G, chunk=CHUNK,
+                     group=v.shape[1] // q.shape[1], scale=p.scale, interpret=interpret, **tuning)
