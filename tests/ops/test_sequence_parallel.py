@@ -345,7 +345,10 @@ def test_unsupported_calls_name_their_reason():
 # ---------------------------------------------------------------------------------------------------------------
 # the shared vectors, each case in its own class
 
-DELTA_CASES = [(op, case) for op in ("gdn", "kda") for case in load_cases(op)]
+# each case compiles on its own (about 10 s on 2 cores, more in interpret mode): the hardest fp32 and bf16 cases of
+# each op here (all 22 pass with both bases)
+HARD_CASES = ("chunk_edges", "bf16_long_weak_decay", "tiny_rows_fused_gate", "bf16_lower_bound_vk")
+DELTA_CASES = [(op, case) for op in ("gdn", "kda") for case in load_cases(op) if case.name in HARD_CASES]
 ENTRIES = {"gdn": ops.gated_delta_rule, "kda": ops.kda}
 
 
@@ -356,14 +359,8 @@ def test_xla_base_matches_vectors(op, case):
     check_case(case, [np.asarray(o) for o in outputs])
 
 
-# interpret mode compiles slowly (about 10 s a case on 2 cores): the hardest fp32 and bf16 cases of each op here; all
-# 22 cases pass with this base too (jaxckpt/ops/common/README.md)
-PALLAS_CASES = [(op, case) for op, case in DELTA_CASES
-                if case.name in ("chunk_edges", "bf16_long_weak_decay", "tiny_rows_fused_gate", "bf16_lower_bound_vk")]
-
-
 @pytest.mark.interpret
-@pytest.mark.parametrize("op, case", PALLAS_CASES, ids=[f"{op}-{case.name}" for op, case in PALLAS_CASES])
+@pytest.mark.parametrize("op, case", DELTA_CASES, ids=[f"{op}-{case.name}" for op, case in DELTA_CASES])
 def test_pallas_base_matches_vectors(op, case):
     options = dict(base="pallas_triton", interpret=True, piece_len=64, piece_cuts="snap")
     outputs = ENTRIES[op](**case.arguments, implementation="sequence_parallel", kernel_options=options)
