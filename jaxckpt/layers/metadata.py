@@ -27,6 +27,16 @@ _ARRAY_FIELDS = ("cu_seqlens", "positions", "context_lens", "block_tables", "ini
                  "checkpoint_state_indices")
 
 
+def check_pool_sizes(num_kv_pages: int, num_state_slots: int) -> None:
+    """ValueError unless the KV pool and the state pools hold a real entry beside the null page / slot 0."""
+    if num_kv_pages < 2:
+        raise ValueError(f"num_kv_pages: the KV pool needs at least 2 pages (page 0 is the null page), "
+                         f"got {num_kv_pages}")
+    if num_state_slots < 2:
+        raise ValueError(f"num_state_slots: the state pools need at least 2 slots (slot 0 is the null slot), "
+                         f"got {num_state_slots}")
+
+
 def _padded(values, size: int, fill, dtype) -> np.ndarray:
     out = np.full(size, fill, dtype)
     out[:len(values)] = values
@@ -109,12 +119,7 @@ class StepMetadata:
             row = int(np.argmax(total > max_model_len))
             raise ValueError(f"query_lens: row {row} reaches {int(total[row])} tokens (context {int(ctx[row])} + "
                              f"query {int(lens[row])}), over max_model_len={max_model_len}")
-        if num_kv_pages < 2:
-            raise ValueError(f"num_kv_pages: the KV pool needs at least 2 pages (page 0 is the null page), "
-                             f"got {num_kv_pages}")
-        if num_state_slots < 2:
-            raise ValueError(f"num_state_slots: the state pools need at least 2 slots (slot 0 is the null slot), "
-                             f"got {num_state_slots}")
+        check_pool_sizes(num_kv_pages, num_state_slots)
 
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         ccu, offsets = validate_checkpoints(checkpoint_cu, checkpoint_offsets, cu)

@@ -8,12 +8,14 @@ states to or take them from transformers' own models.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import re
 import struct
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxckpt.layers import Linear, StepMetadata, load_params, validate_step
+from jaxckpt.layers.metadata import check_pool_sizes
 from jaxckpt.ops.grouped_matmul import grouped_matmul
 from jaxckpt.plan.rules import model_checkpoint_alignment
 
@@ -94,6 +97,80 @@ def config_dtype(hf_config: Mapping, dtype: str | None) -> str:
     if name not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype: must be float32, bfloat16 or float16, got {name!r}")
     return name
+
+
+def check_max_model_len(max_model_len: int, block_size: int) -> None:
+    """ValueError unless a sequence of max_model_len tokens fills whole KV pages."""
+    if max_model_len % block_size:
+        raise ValueError(f"max_model_len: must be a multiple of block_size={block_size}, got {max_model_len}")
+
+
+def default_rope(hf: Mapping) -> dict:
+    """config.json's `rope_parameters` (empty when absent); ValueError for any RoPE but the default one."""
+    rope_parameters = dict(hf.get("rope_parameters") or {})
+    if rope_parameters.get("rope_type", "default") != "default":
+        raise ValueError(f"config: only the default RoPE is supported, got rope_type {rope_parameters['rope_type']!r}")
+    return rope_parameters
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PublishedConfig:
+    """What the published models' configs share: the vocabulary, the width, `layer_types` (config.json's names,
+    `layer_kinds` maps them to our cache kinds), tied embeddings, and the serving sizes of our caches; all
+    keyword-only. Subclasses are frozen dataclasses of transformers' config names; they set `model_type` and
+    `layer_kinds` and give `derived_fields`, and `from_hf` reads config.json's dict."""
+
+    model_type: ClassVar[str]
+    layer_kinds: ClassVar[Mapping[str, str]]   # config.json layer type -> our cache kind
+    hf_aliases: ClassVar[Mapping[str, str]] = {}  # config.json names transformers maps to other attributes
+
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    tie_word_embeddings: bool = False
+    # serving: KV page size, longest sequence, chunk of the recurrent ops, compute dtype, jaxckpt.ops implementation
+    block_size: int = 16
+    max_model_len: int = 4096
+    chunk_size: int = 64
+    dtype: str = "float32"
+    implementation: str | None = None
+
+    def __post_init__(self):
+        bad = [t for t in self.layer_types if t not in self.layer_kinds]
+        if bad or not self.layer_types:
+            raise ValueError(f"layer_types: must be a non-empty list of {sorted(self.layer_kinds)}, got "
+                             f"{list(self.layer_types)}")
+        check_max_model_len(self.max_model_len, self.block_size)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Our cache kind of each layer, `jaxckpt.models.hybrid.Caches.layer_types`."""
+        return tuple(self.layer_kinds[t] for t in self.layer_types)
+
+    @classmethod
+    def from_hf(cls, hf: Mapping, **serving):
+        """From config.json's dict; `serving` sets block_size, max_model_len, chunk_size, dtype, implementation."""
+        if hf.get("model_type") != cls.model_type:
+            raise ValueError(f"config: model_type must be {cls.model_type!r}, got {hf.get('model_type')!r}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config: hidden_act must be 'silu', got {hf['hidden_act']!r}")
+        hf = {cls.hf_aliases.get(k, k): v for k, v in hf.items()}
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in hf.items() if k in fields} | cls.derived_fields(hf)
+        layers = hf.get("num_hidden_layers")
+        if layers is not None and len(values["layer_types"]) != layers:
+            raise ValueError(f"config: {len(values['layer_types'])} layer_types for num_hidden_layers={layers}")
+        return cls(**(values | serving))
+
+    @classmethod
+    def derived_fields(cls, hf: Mapping) -> dict:
+        """The fields config.json gives in another form (at least `layer_types`), and its checks of what the model
+        cannot run; `hf` with `hf_aliases` applied."""
+        raise NotImplementedError
 
 
 class ZeroCenteredRMSNorm(nnx.Module):
@@ -212,12 +289,7 @@ def init_caches(mixers: Sequence[nnx.Module], layer_types: tuple[str, ...], num_
     fp32 pools [num_state_slots, *shape]. Page 0 and slot 0 are null; `fill=nan` poisons them for tests."""
     from jaxckpt.models.hybrid import Caches
 
-    if num_kv_pages < 2:
-        raise ValueError(f"num_kv_pages: the KV pool needs at least 2 pages (page 0 is the null page), "
-                         f"got {num_kv_pages}")
-    if num_state_slots < 2:
-        raise ValueError(f"num_state_slots: the state pools need at least 2 slots (slot 0 is the null slot), "
-                         f"got {num_state_slots}")
+    check_pool_sizes(num_kv_pages, num_state_slots)
     layers = []
     for mixer, layer_type in zip(mixers, layer_types):
         if layer_type == "attention":
@@ -256,14 +328,72 @@ class DecoderLayer(nnx.Module):
         return x + self.feed_forward(self.post_attention_layernorm(x)) * self.residual_multiplier
 
 
+class Embedding(nnx.Module):
+    """weight [vocab, d_model] rows looked up by token id; N(0, 1) so the first pre-norm sees O(1) inputs."""
+
+    def __init__(self, vocab_size: int, d_model: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, d_model)).astype(dtype))
+
+    def __call__(self, tokens):  # i32[T] -> [T, d_model]
+        return self.weight[...][tokens]
+
+
+class DecoderModel(nnx.Module):
+    """transformers' `*Model` of a published LM: `embed_tokens`, `layers` (`layer_class(config, i)` each) and the
+    final `norm` (`norm_class`); subclasses set the two classes."""
+
+    layer_class: ClassVar[type[DecoderLayer]]
+    norm_class: ClassVar[type[nnx.Module]]
+
+    def __init__(self, config: PublishedConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([self.layer_class(config, i, rngs=rngs) for i in range(config.num_hidden_layers)])
+        self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+
+
 class CausalLM(nnx.Module):
     """What the published LMs share over paged caches, called as `HybridModel` is (so `hybrid.forward`,
     `HybridRunner` and the engine run them): `model(tokens, meta, caches) -> (logits fp32 [N, vocab] of each row's
     last token, caches)`; `all_tokens=True` gives every token's logits [T, vocab].
 
-    Subclasses set `config` (with `kinds`, `dtype`, `tie_word_embeddings`), `model` (`embed_tokens`, `layers` of
-    `DecoderLayer`s, `norm`) and `lm_head` unless tied; Granite overrides `embed` and `logits` for its multipliers.
+    Subclasses set `config_class` (a `PublishedConfig`) and `model_class` (a `DecoderModel`), and override
+    `checkpoint_params` where the files' names or layouts differ from the modules'; Granite overrides `embed` and
+    `logits` for its multipliers. The module tree: `config`, `model`, `lm_head` unless the embeddings are tied.
     """
+
+    config_class: ClassVar[type[PublishedConfig]]
+    model_class: ClassVar[type[DecoderModel]]
+
+    def __init__(self, config: PublishedConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.model = self.model_class(config, rngs=rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=jnp.dtype(config.dtype), rngs=rngs)
+
+    @classmethod
+    def from_pretrained(cls, local_dir: str | os.PathLike, *, dtype: str | None = None, **serving):
+        """Loads a Hugging Face folder of this architecture (config.json, model.safetensors[.index.json]) by the
+        files' own names, in `dtype` (default: the config's). `serving`: block_size, max_model_len, chunk_size,
+        implementation."""
+        return cls.from_params(read_config(local_dir), read_safetensors(local_dir), dtype=dtype, **serving)
+
+    @classmethod
+    def from_params(cls, hf_config: Mapping, params: Mapping[str, np.ndarray], *, dtype: str | None = None,
+                    **serving):
+        """As `from_pretrained`, from config.json's dict and {checkpoint name: array} (the files' names, or
+        transformers' in-memory state dict). The model is built abstract and each parameter allocated once, from
+        `params`."""
+        config = cls.config_class.from_hf(hf_config, dtype=config_dtype(hf_config, dtype), **serving)
+        params = cls.checkpoint_params(config, dict(params))
+        if config.tie_word_embeddings:
+            params.pop("lm_head.weight", None)
+        return build_model(cls, config, params)
+
+    @classmethod
+    def checkpoint_params(cls, config: PublishedConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A checkpoint's {name: array} (a copy, free to change) under the module tree's names and layouts."""
+        return params
 
     @property
     def mixers(self) -> list[nnx.Module]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -23,13 +23,11 @@ from flax import nnx
 
 from jaxckpt.layers import Attention, Linear, Mamba2Mixer, RMSNorm
 from jaxckpt.layers.attention import rope
-from jaxckpt.models.common import (CausalLM, DecoderLayer, Experts, build_model, config_dtype, read_config,
-                                   read_safetensors, rename_params, stack_experts)
-from jaxckpt.models.hybrid import Embedding
+from jaxckpt.models.common import (CausalLM, DecoderLayer, DecoderModel, Experts, PublishedConfig, default_rope,
+                                   rename_params, stack_experts)
 
-# config.json layer names: transformers 5's and the published (legacy) ones -> our cache kinds
-_HF_LAYER_TYPES = {"linear_attention": "mamba2", "mamba": "mamba2", "full_attention": "attention",
-                   "attention": "attention"}
+# the published (legacy) config.json layer names -> transformers 5's
+_LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
 # the files' names -> transformers' in-memory ones (its conversion mapping, run backwards on save)
 _RENAMES = ((r"\.block_sparse_moe\.input_linear\.weight$", ".block_sparse_moe.experts.gate_up_proj"),
             (r"\.block_sparse_moe\.output_linear\.weight$", ".block_sparse_moe.experts.down_proj"),
@@ -43,15 +41,17 @@ def _float(value) -> float:
     return float(value)
 
 
-@dataclasses.dataclass(frozen=True)
-class GraniteMoeHybridConfig:
-    """config.json's fields (transformers' `GraniteMoeHybridConfig` names) and the serving sizes of our caches."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GraniteMoeHybridConfig(PublishedConfig):
+    """config.json's fields (transformers' `GraniteMoeHybridConfig` names) and the serving sizes of our caches
+    (`common.PublishedConfig`; `layer_types` "linear_attention" (Mamba2) | "full_attention" per layer, `from_hf`
+    also reads the published "mamba" / "attention")."""
 
-    vocab_size: int
-    hidden_size: int
+    model_type: ClassVar[str] = "granitemoehybrid"
+    layer_kinds: ClassVar[Mapping[str, str]] = {"linear_attention": "mamba2", "full_attention": "attention"}
+
     num_attention_heads: int
     num_key_value_heads: int
-    layer_types: tuple[str, ...]           # "linear_attention" (Mamba2) | "full_attention" per layer
     mamba_n_heads: int
     mamba_d_head: int
     mamba_d_state: int
@@ -68,22 +68,9 @@ class GraniteMoeHybridConfig:
     attention_multiplier: float = 1.0
     logits_scaling: float = 1.0
     rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    # serving: KV page size, longest sequence, chunk of the recurrent ops, compute dtype, jaxckpt.ops implementation
-    block_size: int = 16
-    max_model_len: int = 4096
-    chunk_size: int = 64
-    dtype: str = "float32"
-    implementation: str | None = None
 
     def __post_init__(self):
-        bad = [t for t in self.layer_types if t not in ("linear_attention", "full_attention")]
-        if bad or not self.layer_types:
-            raise ValueError(f"layer_types: must be a non-empty list of 'linear_attention' / 'mamba' and "
-                             f"'full_attention' / 'attention', got {list(self.layer_types)}")
-        if self.max_model_len % self.block_size:
-            raise ValueError(f"max_model_len: must be a multiple of block_size={self.block_size}, "
-                             f"got {self.max_model_len}")
+        super().__post_init__()
         if self.position_embedding_type not in (None, "nope", "rope"):
             raise ValueError(f"position_embedding_type: must be 'rope', 'nope' or None, got "
                              f"{self.position_embedding_type!r}")
@@ -92,25 +79,11 @@ class GraniteMoeHybridConfig:
                              f"got {self.num_experts_per_tok}")
 
     @property
-    def num_hidden_layers(self) -> int:
-        return len(self.layer_types)
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        """Our cache kind of each layer ("mamba2" or "attention"), `jaxckpt.models.hybrid.Caches.layer_types`."""
-        return tuple(_HF_LAYER_TYPES[t] for t in self.layer_types)
-
-    @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_hf(cls, hf: Mapping, **serving) -> GraniteMoeHybridConfig:
-        """From config.json's dict; `serving` sets block_size, max_model_len, chunk_size, dtype, implementation."""
-        if hf.get("model_type") != "granitemoehybrid":
-            raise ValueError(f"config: model_type must be 'granitemoehybrid', got {hf.get('model_type')!r}")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config: hidden_act must be 'silu', got {hf['hidden_act']!r}")
+    def derived_fields(cls, hf: Mapping) -> dict:
         # what Mamba2Mixer and our attention do not have: a conv without bias, biased projections, a dt clamp
         for name, supported in (("mamba_conv_bias", True), ("mamba_proj_bias", False), ("attention_bias", False)):
             if hf.get(name, supported) != supported:
@@ -118,17 +91,13 @@ class GraniteMoeHybridConfig:
         limit = tuple(map(_float, hf.get("time_step_limit") or (0.0, math.inf)))
         if limit != (0.0, math.inf):
             raise ValueError(f"config: time_step_limit must be (0, inf) (no dt clamp), got {limit}")
-        rope_parameters = dict(hf.get("rope_parameters") or {})
-        if rope_parameters.get("rope_type", "default") != "default":
-            raise ValueError(f"config: only the default RoPE is supported, got rope_type "
-                             f"{rope_parameters['rope_type']!r}")
-        layers = hf.get("num_hidden_layers")
-        layer_types = hf.get("layer_types") or hf.get("layers_block_type") or ["linear_attention"] * layers
-        unknown = [t for t in layer_types if t not in _HF_LAYER_TYPES]
+        rope_parameters = default_rope(hf)
+        layer_types = [_LEGACY_LAYER_TYPES.get(t, t) for t in hf.get("layer_types") or hf.get("layers_block_type")
+                       or ["linear_attention"] * hf.get("num_hidden_layers")]
+        unknown = [t for t in layer_types if t not in cls.layer_kinds]
         if unknown:
-            raise ValueError(f"config: layer_types holds {unknown}, not one of {sorted(_HF_LAYER_TYPES)}")
-        if layers is not None and len(layer_types) != layers:
-            raise ValueError(f"config: {len(layer_types)} layer_types for num_hidden_layers={layers}")
+            raise ValueError(f"config: layer_types holds {unknown}, not one of "
+                             f"{sorted({*cls.layer_kinds, *_LEGACY_LAYER_TYPES})}")
         hidden, heads = hf["hidden_size"], hf.get("mamba_n_heads", 128)
         d_head = hf.get("mamba_d_head", "auto")
         if d_head == "auto":
@@ -136,14 +105,10 @@ class GraniteMoeHybridConfig:
         if d_head * heads != hf.get("mamba_expand", 2) * hidden:
             raise ValueError(f"config: mamba_n_heads * mamba_d_head = {heads * d_head} must equal mamba_expand * "
                              f"hidden_size = {hf.get('mamba_expand', 2) * hidden}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in hf.items() if k in fields}
-        values.update(
-            layer_types=tuple("linear_attention" if _HF_LAYER_TYPES[t] == "mamba2" else "full_attention"
-                              for t in layer_types),
-            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"], mamba_n_heads=heads,
-            mamba_d_head=d_head, rope_theta=rope_parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        return cls(**(values | serving))
+        return dict(layer_types=tuple(layer_types),
+                    num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                    mamba_n_heads=heads, mamba_d_head=d_head,
+                    rope_theta=rope_parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
 class GraniteMoeHybridAttention(Attention):
@@ -237,24 +202,17 @@ class GraniteMoeHybridDecoderLayer(DecoderLayer):
         return shared if self.block_sparse_moe is None else self.block_sparse_moe(x) + shared
 
 
-class GraniteMoeHybridModel(nnx.Module):
-    def __init__(self, config: GraniteMoeHybridConfig, *, rngs: nnx.Rngs):
-        dtype = jnp.dtype(config.dtype)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([GraniteMoeHybridDecoderLayer(config, i, rngs=rngs)
-                                for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+class GraniteMoeHybridModel(DecoderModel):
+    layer_class = GraniteMoeHybridDecoderLayer
+    norm_class = RMSNorm
 
 
 class GraniteMoeHybridForCausalLM(CausalLM):
-    """GraniteMoeHybrid LM over paged caches (`common.CausalLM`: called as `HybridModel` is); embeddings scaled by
-    embedding_multiplier, logits divided by logits_scaling."""
+    """GraniteMoeHybrid LM over paged caches (`common.CausalLM`: called as `HybridModel` is; `from_pretrained`
+    reads a Hugging Face folder); embeddings scaled by embedding_multiplier, logits divided by logits_scaling."""
 
-    def __init__(self, config: GraniteMoeHybridConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        self.model = GraniteMoeHybridModel(config, rngs=rngs)
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=jnp.dtype(config.dtype), rngs=rngs)
+    config_class = GraniteMoeHybridConfig
+    model_class = GraniteMoeHybridModel
 
     def embed(self, tokens):
         return self.model.embed_tokens(tokens) * self.config.embedding_multiplier
@@ -263,22 +221,11 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         return super().logits(hidden) / self.config.logits_scaling
 
     @classmethod
-    def from_pretrained(cls, local_dir: str | os.PathLike, *, dtype: str | None = None, **serving):
-        """Loads a Hugging Face GraniteMoeHybrid folder (config.json, model.safetensors[.index.json]) by the files'
-        own names, in `dtype` (default: the config's). `serving`: block_size, max_model_len, chunk_size,
-        implementation."""
-        return cls.from_params(read_config(local_dir), read_safetensors(local_dir), dtype=dtype, **serving)
-
-    @classmethod
-    def from_params(cls, hf_config: Mapping, params: Mapping[str, np.ndarray], *, dtype: str | None = None,
-                    **serving):
-        """As `from_pretrained`, from config.json's dict and {checkpoint name: array} (the files' names, or
-        transformers' in-memory state dict)."""
-        config = GraniteMoeHybridConfig.from_hf(hf_config, dtype=config_dtype(hf_config, dtype), **serving)
+    def checkpoint_params(cls, config: GraniteMoeHybridConfig,
+                          params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The files' MoE names renamed to transformers' in-memory ones, experts stacked."""
         params = rename_params(params, _RENAMES)
         if config.num_local_experts:
             for i in range(config.num_hidden_layers):
                 stack_experts(params, f"model.layers.{i}.block_sparse_moe", config.num_local_experts)
-        if config.tie_word_embeddings:
-            params.pop("lm_head.weight", None)
-        return build_model(cls, config, params)
+        return params

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxckpt.layers import (Attention, GatedDeltaNet, KimiDeltaAttention, Linear, Mamba2Mixer, RMSNorm, StepMetadata,
                             validate_step)
-from jaxckpt.models.common import DecoderLayer, whole
+from jaxckpt.models.common import DecoderLayer, Embedding, check_max_model_len, whole
 from jaxckpt.models.common import SwiGLUMLP as SwiGLU
 from jaxckpt.plan.rules import model_checkpoint_alignment
 
@@ -64,9 +64,7 @@ class HybridConfig:
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
         if bad or not self.layer_types:
             raise ValueError(f"layer_types: must be a non-empty tuple of {LAYER_TYPES}, got {self.layer_types!r}")
-        if self.max_model_len % self.block_size:
-            raise ValueError(f"max_model_len: must be a multiple of block_size={self.block_size}, "
-                             f"got {self.max_model_len}")
+        check_max_model_len(self.max_model_len, self.block_size)
 
     @property
     def d_ff(self) -> int:
@@ -134,16 +132,6 @@ class Caches:
     def num_kv_pages(self) -> int | None:
         sizes = [pools[0].shape[0] for pools, t in zip(self.layers, self.layer_types) if t == "attention"]
         return sizes[0] if sizes else None
-
-
-class Embedding(nnx.Module):
-    """weight [vocab, d_model] rows looked up by token id; N(0, 1) so the first pre-norm sees O(1) inputs."""
-
-    def __init__(self, vocab_size: int, d_model: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, d_model)).astype(dtype))
-
-    def __call__(self, tokens):  # i32[T] -> [T, d_model]
-        return self.weight[...][tokens]
 
 
 def _mixer(config: HybridConfig, layer_type: str, *, dtype, rngs: nnx.Rngs):

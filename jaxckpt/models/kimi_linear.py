@@ -13,8 +13,8 @@ matmul. `from_params` reads either form.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -24,34 +24,33 @@ from flax import nnx
 from jaxckpt.layers import KimiDeltaAttention, Linear, RMSNorm, StepMetadata
 from jaxckpt.layers.attention import causal_attention
 from jaxckpt.layers.mla import paged_latent_attention
-from jaxckpt.models.common import (CausalLM, DecoderLayer, Experts, SwiGLUMLP, build_model, config_dtype,
-                                   read_config, read_safetensors, rename_params, stack_experts)
-from jaxckpt.models.hybrid import Embedding
+from jaxckpt.models.common import (CausalLM, DecoderLayer, DecoderModel, Experts, PublishedConfig, SwiGLUMLP,
+                                   rename_params, stack_experts)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_HF_LAYER_TYPES = {"linear_attention": "kda", "full_attention": "attention"}
-# config.json names transformers writes (its attribute_map) -> the config attributes
-_ALIASES = {"num_experts": "num_local_experts", "num_experts_per_token": "num_experts_per_tok",
-            "num_expert_group": "n_group", "num_shared_experts": "n_shared_experts",
-            "moe_renormalize": "norm_topk_prob"}
 # transformers' in-memory names -> ours (the files'): forget gate un-nested, MoE blocks under `mlp`
 _RENAMES = ((r"\.block_sparse_moe\.", ".mlp."), (r"\.self_attn\.forget_gate\.", ".self_attn."))
 _LATENT_NORM_EPS = 1e-6  # transformers builds kv_a_layernorm / q_a_layernorm with its RMSNorm's default eps
 
 
-@dataclasses.dataclass(frozen=True)
-class KimiLinearConfig:
-    """config.json's fields (transformers' `KimiLinearConfig` attribute names) and the serving sizes of our caches.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KimiLinearConfig(PublishedConfig):
+    """config.json's fields (transformers' `KimiLinearConfig` attribute names) and the serving sizes of our caches
+    (`common.PublishedConfig`; `layer_types` "linear_attention" | "full_attention" per layer).
 
     `from_hf(config_json)` reads both the published form (`linear_attn_config`, `first_k_dense_replace`,
     `num_experts`, ...) and the one transformers 5 writes (`layer_types`, `mlp_layer_types`).
     """
 
-    vocab_size: int
-    hidden_size: int
+    model_type: ClassVar[str] = "kimi_linear"
+    layer_kinds: ClassVar[Mapping[str, str]] = {"linear_attention": "kda", "full_attention": "attention"}
+    # config.json names transformers writes (its attribute_map) -> the config attributes
+    hf_aliases: ClassVar[Mapping[str, str]] = {
+        "num_experts": "num_local_experts", "num_experts_per_token": "num_experts_per_tok",
+        "num_expert_group": "n_group", "num_shared_experts": "n_shared_experts", "moe_renormalize": "norm_topk_prob"}
+
     intermediate_size: int
     num_attention_heads: int
-    layer_types: tuple[str, ...]          # "linear_attention" | "full_attention" per layer
     mlp_layer_types: tuple[str, ...]      # "dense" | "sparse" per layer
     kv_lora_rank: int
     qk_nope_head_dim: int
@@ -72,28 +71,15 @@ class KimiLinearConfig:
     routed_scaling_factor: float = 1.0
     rms_norm_eps: float = 1e-5
     attention_bias: bool = False
-    tie_word_embeddings: bool = False
-    # serving: KV page size, longest sequence, chunk of the recurrent ops, compute dtype, jaxckpt.ops implementation
-    block_size: int = 16
-    max_model_len: int = 4096
-    chunk_size: int = 64
-    dtype: str = "float32"
-    implementation: str | None = None
 
     def __post_init__(self):
-        bad = [t for t in self.layer_types if t not in _HF_LAYER_TYPES]
-        if bad or not self.layer_types:
-            raise ValueError(f"layer_types: must be a non-empty list of {sorted(_HF_LAYER_TYPES)}, got "
-                             f"{list(self.layer_types)}")
+        super().__post_init__()
         if len(self.mlp_layer_types) != len(self.layer_types) or not set(self.mlp_layer_types) <= {"dense", "sparse"}:
             raise ValueError(f"mlp_layer_types: must hold 'dense' or 'sparse' for each of the {len(self.layer_types)} "
                              f"layers, got {list(self.mlp_layer_types)}")
         if self.num_key_value_heads not in (None, self.num_attention_heads):
             raise ValueError(f"num_key_value_heads: MLA expands its latent to every head, so it must equal "
                              f"num_attention_heads={self.num_attention_heads}, got {self.num_key_value_heads}")
-        if self.max_model_len % self.block_size:
-            raise ValueError(f"max_model_len: must be a multiple of block_size={self.block_size}, "
-                             f"got {self.max_model_len}")
         if "sparse" in self.mlp_layer_types:
             E, G = self.num_local_experts, self.n_group
             if E < 1 or G < 1 or E % G:
@@ -107,28 +93,13 @@ class KimiLinearConfig:
                 raise ValueError(f"num_experts_per_tok: must lie in [1, topk_group * experts per group = "
                                  f"{self.topk_group * (E // G)}], got {self.num_experts_per_tok}")
 
-    @property
-    def num_hidden_layers(self) -> int:
-        return len(self.layer_types)
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        """Our cache kind of each layer ("kda" or "attention"), `jaxckpt.models.hybrid.Caches.layer_types`."""
-        return tuple(_HF_LAYER_TYPES[t] for t in self.layer_types)
-
     @classmethod
-    def from_hf(cls, hf: Mapping, **serving) -> KimiLinearConfig:
-        """From config.json's dict; `serving` sets block_size, max_model_len, chunk_size, dtype, implementation."""
-        if hf.get("model_type") != "kimi_linear":
-            raise ValueError(f"config: model_type must be 'kimi_linear', got {hf.get('model_type')!r}")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config: hidden_act must be 'silu', got {hf['hidden_act']!r}")
+    def derived_fields(cls, hf: Mapping) -> dict:
         # fields transformers ignores; a value other than the one it assumes would mean another model
         for name, assumed in (("moe_router_activation_func", "sigmoid"), ("mla_use_nope", True),
                               ("moe_layer_freq", 1)):
             if hf.get(name, assumed) != assumed:
                 raise ValueError(f"config: {name} must be {assumed!r} (transformers' Kimi-Linear), got {hf[name]!r}")
-        hf = {_ALIASES.get(k, k): v for k, v in hf.items()}
         layers = hf["num_hidden_layers"]
         linear = hf.get("linear_attn_config") or {}
         layer_types = hf.get("layer_types")
@@ -141,15 +112,10 @@ class KimiLinearConfig:
         if mlp_layer_types is None:
             dense = hf.get("first_k_dense_replace", 1)
             mlp_layer_types = ["dense" if i < dense else "sparse" for i in range(layers)]
-        if len(layer_types) != layers:
-            raise ValueError(f"config: {len(layer_types)} layer_types for num_hidden_layers={layers}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in hf.items() if k in fields}
-        values.update(layer_types=tuple(layer_types), mlp_layer_types=tuple(mlp_layer_types),
-                      linear_num_heads=linear.get("num_heads", hf.get("linear_num_heads", 32)),
-                      linear_head_dim=linear.get("head_dim", hf.get("linear_head_dim", 128)),
-                      linear_conv_kernel_dim=linear.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4)))
-        return cls(**(values | serving))
+        return dict(layer_types=tuple(layer_types), mlp_layer_types=tuple(mlp_layer_types),
+                    linear_num_heads=linear.get("num_heads", hf.get("linear_num_heads", 32)),
+                    linear_head_dim=linear.get("head_dim", hf.get("linear_head_dim", 128)),
+                    linear_conv_kernel_dim=linear.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4)))
 
 
 class KimiLinearAttention(nnx.Module):
@@ -297,38 +263,22 @@ class KimiLinearDecoderLayer(DecoderLayer):
         return self.self_attn
 
 
-class KimiLinearModel(nnx.Module):
-    def __init__(self, config: KimiLinearConfig, *, rngs: nnx.Rngs):
-        dtype = jnp.dtype(config.dtype)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([KimiLinearDecoderLayer(config, i, rngs=rngs)
-                                for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+class KimiLinearModel(DecoderModel):
+    layer_class = KimiLinearDecoderLayer
+    norm_class = RMSNorm
 
 
 class KimiLinearForCausalLM(CausalLM):
-    """Kimi-Linear LM over paged caches (`common.CausalLM`: called as `HybridModel` is)."""
+    """Kimi-Linear LM over paged caches (`common.CausalLM`: called as `HybridModel` is; `from_pretrained` reads a
+    Hugging Face folder). `from_params` takes the files' names (`block_sparse_moe`, `q_conv1d`, `experts.{e}.w1`,
+    ...) or transformers' in-memory state dict (`mlp`, `forget_gate`, the fused `conv1d` and experts)."""
 
-    def __init__(self, config: KimiLinearConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        self.model = KimiLinearModel(config, rngs=rngs)
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=jnp.dtype(config.dtype), rngs=rngs)
-
-    @classmethod
-    def from_pretrained(cls, local_dir: str | os.PathLike, *, dtype: str | None = None, **serving):
-        """Loads a Hugging Face Kimi-Linear folder (config.json, model.safetensors[.index.json]) by the files' own
-        names, in `dtype` (default: the config's). `serving`: block_size, max_model_len, chunk_size,
-        implementation."""
-        return cls.from_params(read_config(local_dir), read_safetensors(local_dir), dtype=dtype, **serving)
+    config_class = KimiLinearConfig
+    model_class = KimiLinearModel
 
     @classmethod
-    def from_params(cls, hf_config: Mapping, params: Mapping[str, np.ndarray], *, dtype: str | None = None,
-                    **serving):
-        """As `from_pretrained`, from config.json's dict and {checkpoint name: array}: the files' names
-        (`block_sparse_moe`, `q_conv1d`, `experts.{e}.w1`, ...) or transformers' in-memory state dict (`mlp`,
-        `forget_gate`, the fused `conv1d` and experts)."""
-        config = KimiLinearConfig.from_hf(hf_config, dtype=config_dtype(hf_config, dtype), **serving)
+    def checkpoint_params(cls, config: KimiLinearConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """transformers' names renamed to the files', its fused KDA conv split into q / k / v, experts stacked."""
         params = rename_params(params, _RENAMES)
         for i, kind in enumerate(config.kinds):
             prefix = f"model.layers.{i}"
@@ -338,6 +288,4 @@ class KimiLinearForCausalLM(CausalLM):
                     params[f"{prefix}.self_attn.{name}_conv1d.weight"] = part
             if config.mlp_layer_types[i] == "sparse":
                 stack_experts(params, f"{prefix}.mlp", config.num_local_experts, names=("w1", "w3", "w2"))
-        if config.tie_word_embeddings:
-            params.pop("lm_head.weight", None)
-        return build_model(cls, config, params)
+        return params

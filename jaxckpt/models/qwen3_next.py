@@ -10,8 +10,8 @@ experts, stacked per layer into `mlp.experts.gate_up_proj` [E, d_model, 2I] and 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -20,28 +20,25 @@ from flax import nnx
 
 from jaxckpt.layers import GatedDeltaNet, Linear, StepMetadata
 from jaxckpt.layers.attention import causal_attention, paged_attention, rope
-from jaxckpt.models.common import (CausalLM, DecoderLayer, Experts, SwiGLUMLP, ZeroCenteredRMSNorm, build_model,
-                                   config_dtype, read_config, read_safetensors, stack_experts)
-from jaxckpt.models.hybrid import Embedding
+from jaxckpt.models.common import (CausalLM, DecoderLayer, DecoderModel, Experts, PublishedConfig, SwiGLUMLP,
+                                   ZeroCenteredRMSNorm, default_rope, stack_experts)
 
-_HF_LAYER_TYPES = {"linear_attention": "gdn", "full_attention": "attention"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Qwen3NextConfig:
-    """config.json's fields (transformers' `Qwen3NextConfig` names) and the serving sizes of our caches.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen3NextConfig(PublishedConfig):
+    """config.json's fields (transformers' `Qwen3NextConfig` names) and the serving sizes of our caches
+    (`common.PublishedConfig`; `layer_types` "linear_attention" | "full_attention" per layer).
 
     `from_hf(config_json)` reads both the published form (`full_attention_interval`, `rope_theta`,
     `partial_rotary_factor` at the top level) and the one transformers 5 writes (`layer_types`, `rope_parameters`).
     """
 
-    vocab_size: int
-    hidden_size: int
+    model_type: ClassVar[str] = "qwen3_next"
+    layer_kinds: ClassVar[Mapping[str, str]] = {"linear_attention": "gdn", "full_attention": "attention"}
+
     intermediate_size: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    layer_types: tuple[str, ...]          # "linear_attention" | "full_attention" per layer
     linear_num_key_heads: int
     linear_num_value_heads: int
     linear_key_head_dim: int
@@ -58,34 +55,12 @@ class Qwen3NextConfig:
     rope_theta: float = 10000.0
     partial_rotary_factor: float = 0.25
     attention_bias: bool = False
-    tie_word_embeddings: bool = False
-    # serving: KV page size, longest sequence, chunk of the recurrent ops, compute dtype, jaxckpt.ops implementation
-    block_size: int = 16
-    max_model_len: int = 4096
-    chunk_size: int = 64
-    dtype: str = "float32"
-    implementation: str | None = None
 
     def __post_init__(self):
-        bad = [t for t in self.layer_types if t not in _HF_LAYER_TYPES]
-        if bad or not self.layer_types:
-            raise ValueError(f"layer_types: must be a non-empty list of {sorted(_HF_LAYER_TYPES)}, got "
-                             f"{list(self.layer_types)}")
-        if self.max_model_len % self.block_size:
-            raise ValueError(f"max_model_len: must be a multiple of block_size={self.block_size}, "
-                             f"got {self.max_model_len}")
+        super().__post_init__()
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(f"partial_rotary_factor: head_dim * factor must be an even count in (0, head_dim], got "
                              f"{self.head_dim} * {self.partial_rotary_factor}")
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return len(self.layer_types)
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        """Our cache kind of each layer ("gdn" or "attention"), `jaxckpt.models.hybrid.Caches.layer_types`."""
-        return tuple(_HF_LAYER_TYPES[t] for t in self.layer_types)
 
     @property
     def rotary_dim(self) -> int:
@@ -95,32 +70,18 @@ class Qwen3NextConfig:
         return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
 
     @classmethod
-    def from_hf(cls, hf: Mapping, **serving) -> Qwen3NextConfig:
-        """From config.json's dict; `serving` sets block_size, max_model_len, chunk_size, dtype, implementation."""
-        if hf.get("model_type") != "qwen3_next":
-            raise ValueError(f"config: model_type must be 'qwen3_next', got {hf.get('model_type')!r}")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config: hidden_act must be 'silu', got {hf['hidden_act']!r}")
-        rope_parameters = dict(hf.get("rope_parameters") or {})
-        if rope_parameters.get("rope_type", "default") != "default":
-            raise ValueError(f"config: only the default RoPE is supported, got rope_type "
-                             f"{rope_parameters['rope_type']!r}")
-        layers = hf.get("num_hidden_layers")
+    def derived_fields(cls, hf: Mapping) -> dict:
+        rope_parameters = default_rope(hf)
         layer_types = hf.get("layer_types")
         if layer_types is None:
             interval = hf.get("full_attention_interval", 4)
-            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-        if layers is not None and len(layer_types) != layers:
-            raise ValueError(f"config: {len(layer_types)} layer_types for num_hidden_layers={layers}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in hf.items() if k in fields}
-        values.update(
+            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention"
+                           for i in range(hf.get("num_hidden_layers"))]
+        return dict(
             layer_types=tuple(layer_types), mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
             head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
             rope_theta=rope_parameters.get("rope_theta", hf.get("rope_theta", 10000.0)),
-            partial_rotary_factor=rope_parameters.get("partial_rotary_factor",
-                                                      hf.get("partial_rotary_factor", 0.25)))
-        return cls(**(values | serving))
+            partial_rotary_factor=rope_parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
 
 
 class Qwen3NextAttention(nnx.Module):
@@ -231,42 +192,24 @@ class Qwen3NextDecoderLayer(DecoderLayer):
         return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
 
 
-class Qwen3NextModel(nnx.Module):
-    def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs):
-        dtype = jnp.dtype(config.dtype)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([Qwen3NextDecoderLayer(config, i, rngs=rngs)
-                                for i in range(config.num_hidden_layers)])
-        self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+class Qwen3NextModel(DecoderModel):
+    layer_class = Qwen3NextDecoderLayer
+    norm_class = ZeroCenteredRMSNorm
 
 
 class Qwen3NextForCausalLM(CausalLM):
-    """Qwen3-Next LM over paged caches (`common.CausalLM`: called as `HybridModel` is)."""
+    """Qwen3-Next LM over paged caches (`common.CausalLM`: called as `HybridModel` is; `from_pretrained` reads a
+    Hugging Face folder). The multi-token-prediction head (`mtp.*`) is not used and not loaded."""
 
-    def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        self.model = Qwen3NextModel(config, rngs=rngs)
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=jnp.dtype(config.dtype), rngs=rngs)
+    config_class = Qwen3NextConfig
+    model_class = Qwen3NextModel
 
     @classmethod
-    def from_pretrained(cls, local_dir: str | os.PathLike, *, dtype: str | None = None, **serving):
-        """Loads a Hugging Face Qwen3-Next folder (config.json, model.safetensors[.index.json]) by the files' own
-        names, in `dtype` (default: the config's). `serving`: block_size, max_model_len, chunk_size,
-        implementation. The multi-token-prediction head (`mtp.*`) is not used and not loaded."""
-        return cls.from_params(read_config(local_dir), read_safetensors(local_dir), dtype=dtype, **serving)
-
-    @classmethod
-    def from_params(cls, hf_config: Mapping, params: Mapping[str, np.ndarray], *, dtype: str | None = None,
-                    **serving):
-        """As `from_pretrained`, from config.json's dict and {checkpoint name: array} (the files' names, or
-        transformers' in-memory state dict with its fused experts). The model is built abstract and each parameter
-        allocated once, from `params`."""
-        config = Qwen3NextConfig.from_hf(hf_config, dtype=config_dtype(hf_config, dtype), **serving)
+    def checkpoint_params(cls, config: Qwen3NextConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The routed experts stacked (from the files' per-expert names or transformers' fused ones); `mtp.*` left
+        out."""
         params = {k: v for k, v in params.items() if not k.startswith("mtp.")}
         for i in range(config.num_hidden_layers):
             if config.is_moe_layer(i):
                 stack_experts(params, f"model.layers.{i}.mlp", config.num_experts)
-        if config.tie_word_embeddings:
-            params.pop("lm_head.weight", None)
-        return build_model(cls, config, params)
+        return params

@@ -369,7 +369,28 @@ class ShardedLayer:
         return self._call(self.params, x, meta, pools)
 
 
-class ShardedHybrid:
+class _ShardedCaches:
+    """The cache moves of a sharded model; subclasses set `model`, `layouts` (a LayerLayout per layer) and
+    `_pools`."""
+
+    def init_caches(self, num_kv_pages: int, num_state_slots: int, *, fill: float = 0.0) -> Caches:
+        """The model's `init_caches` in the sharded layout, placed on the mesh (nothing built on one device)."""
+        shapes = jax.eval_shape(lambda: self.model.init_caches(num_kv_pages, num_state_slots))
+        return Caches(tuple(self._pools.filled(pools, layout.pools, fill)
+                            for pools, layout in zip(shapes.layers, self.layouts)), shapes.layer_types)
+
+    def shard_caches(self, caches: Caches) -> Caches:
+        """Single-device caches -> the sharded layout on the mesh."""
+        return Caches(tuple(self._pools.shard(pools, layout.pools)
+                            for pools, layout in zip(caches.layers, self.layouts)), caches.layer_types)
+
+    def unshard_caches(self, caches: Caches) -> Caches:
+        """Sharded caches -> the single-device layout, as host arrays (to compare, or to hand states elsewhere)."""
+        return Caches(tuple(self._pools.unshard(pools, layout.pools)
+                            for pools, layout in zip(caches.layers, self.layouts)), caches.layer_types)
+
+
+class ShardedHybrid(_ShardedCaches):
     """A HybridModel split by head over mesh axis `axis`: parameters placed once, caches in the sharded layout.
 
     `forward(tokens, meta, caches)` is `jaxckpt.models.forward` on the mesh (jitted, caches donated, the same host
@@ -412,23 +433,6 @@ class ShardedHybrid:
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(), cache_specs),
                                out_specs=(P(), cache_specs), check_vma=False)
         self._forward = jax.jit(mapped, donate_argnums=3)
-
-    def init_caches(self, num_kv_pages: int, num_state_slots: int, *, fill: float = 0.0) -> Caches:
-        """`HybridModel.init_caches` in the sharded layout, placed on the mesh (nothing built on one device)."""
-        shapes = jax.eval_shape(lambda: self.model.init_caches(num_kv_pages, num_state_slots))
-        return Caches(tuple(self._pools.filled(pools, layout.pools, fill)
-                            for pools, layout in zip(shapes.layers, self.layouts)), shapes.layer_types)
-
-    def shard_caches(self, caches: Caches) -> Caches:
-        """Single-device caches -> the sharded layout on the mesh."""
-        return Caches(tuple(self._pools.shard(pools, layout.pools)
-                            for pools, layout in zip(caches.layers, self.layouts)), caches.layer_types)
-
-    def unshard_caches(self, caches: Caches) -> Caches:
-        """Sharded caches -> the single-device layout, as host arrays (to compare, or to hand states elsewhere)."""
-        return Caches(tuple(self._pools.unshard(pools, layout.pools) for pools, layout in zip(caches.layers,
-                                                                                                 self.layouts)),
-                      caches.layer_types)
 
     def forward(self, tokens, meta: StepMetadata, caches: Caches):
         """(logits fp32 [N, vocab], caches) of one step, as `jaxckpt.models.forward`; caches donated."""
@@ -531,7 +535,7 @@ def _feed_forward_layout(module, n: int) -> tuple[dict[str, Split], object]:
     return _mlp_layout(width, n), width // n
 
 
-class ShardedCausalLM:
+class ShardedCausalLM(_ShardedCaches):
     """A published-architecture model (`common.CausalLM`: Qwen3-Next, Kimi-Linear, GraniteMoeHybrid) split over mesh
     axis `axis`: mixers by head as `ShardedHybrid` does (MLA's latent and its pages replicated), dense and shared
     MLPs by hidden width, routed experts whole per shard (expert parallel; the router replicated), embeddings, norms
@@ -590,22 +594,6 @@ class ShardedCausalLM:
                                               in_specs=(specs, P(), P(), cache_specs),
                                               out_specs=(P(), cache_specs), check_vma=False), donate_argnums=3)
             for all_tokens in (False, True)}
-
-    def init_caches(self, num_kv_pages: int, num_state_slots: int, *, fill: float = 0.0) -> Caches:
-        """The model's `init_caches` in the sharded layout, placed on the mesh (nothing built on one device)."""
-        shapes = jax.eval_shape(lambda: self.model.init_caches(num_kv_pages, num_state_slots))
-        return Caches(tuple(self._pools.filled(pools, layout.pools, fill)
-                            for pools, layout in zip(shapes.layers, self.layouts)), shapes.layer_types)
-
-    def shard_caches(self, caches: Caches) -> Caches:
-        """Single-device caches -> the sharded layout on the mesh."""
-        return Caches(tuple(self._pools.shard(pools, layout.pools)
-                            for pools, layout in zip(caches.layers, self.layouts)), caches.layer_types)
-
-    def unshard_caches(self, caches: Caches) -> Caches:
-        """Sharded caches -> the single-device layout, as host arrays."""
-        return Caches(tuple(self._pools.unshard(pools, layout.pools)
-                            for pools, layout in zip(caches.layers, self.layouts)), caches.layer_types)
 
     def forward(self, tokens, meta: StepMetadata, caches: Caches, *, all_tokens: bool = False):
         """(logits fp32, caches) of one step, as `jaxckpt.models.common.forward`; caches donated."""

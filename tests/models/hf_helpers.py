@@ -97,6 +97,7 @@ def hf_modeling(name: str):
 # tokens (4 rows, 4 checkpoints, 8 blocks) and one decode shape, so each test file compiles two programs per model.
 PAGES, SLOTS, TOKENS, BLOCK = 24, 8, 64, 8
 TOL = 1e-5
+VOCAB = 96  # the tiny models' vocabulary
 SERVING = dict(implementation="xla", block_size=BLOCK, max_model_len=128, chunk_size=16)
 
 
@@ -114,7 +115,7 @@ def run(model, token_rows, caches, *, all_tokens=False, state=None, **meta_args)
     return forward(graphdef, own_state if state is None else state, tokens, meta, caches, all_tokens=all_tokens)
 
 
-def random_rows(seed, lengths, vocab):
+def random_rows(seed, lengths, vocab=VOCAB):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
@@ -136,6 +137,83 @@ def packed_logits(model, rows, state=None):
 def packed_errors(hf, model, rows, state=None) -> list[float]:
     """rel-RMS of each row's logits, packed in one step, against transformers run on the row alone."""
     return [rel_rms(logits, hf_logits(hf, row)) for row, logits in zip(rows, packed_logits(model, rows, state))]
+
+
+def assert_packed_rows_match(hf, model, rows):
+    """Rows of several lengths in one packed step match transformers run on each row alone."""
+    errors = packed_errors(hf, model, rows)
+    assert max(errors) <= TOL, f"rows of {[len(r) for r in rows]}: rel-RMS {errors}"
+
+
+def assert_reference_logits_match(hf, model, row):
+    """The uncached oracle (`CausalLM.reference_logits`: float64 recurrent ops) matches transformers."""
+    err = rel_rms(model.reference_logits(row), hf_logits(hf, row))
+    assert err <= TOL, f"reference logits of {len(row)} tokens: rel-RMS {err:.2e}"
+
+
+def assert_caught(hf, model, name, change, rows):
+    """Parameter `name` changed by `change` moves the packed logits far past TOL: the comparison catches it."""
+    errors = packed_errors(hf, model, rows, state=corrupted(model, name, change))
+    assert max(errors) > 100 * TOL, f"{name} corrupted, still rel-RMS {errors}"
+
+
+def swapped(i, j):
+    """A corruption: entries i and j of a parameter's first axis exchanged (two experts swapped)."""
+    def change(w):
+        w = w.copy()
+        w[[i, j]] = w[[j, i]]
+        return w
+    return change
+
+
+def assert_in_files(folder, names):
+    """The saved folder names these tensors (the published names, which transformers renames on load)."""
+    from jaxckpt.models.common import read_safetensors
+
+    files = read_safetensors(folder)
+    missing = [name for name in names if name not in files]
+    assert not missing, missing
+
+
+def hf_state(hf) -> dict:
+    """transformers' in-memory state dict as numpy arrays."""
+    return {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+
+
+def assert_same_as_transformers(hf, model, name, *, experts, expert):
+    """Our parameter `name` equals transformers' of that name, and expert `expert` of our stacked `experts`
+    ([E, in, out], the grouped matmul's layout) is transformers' ([E, out, in]) transposed."""
+    from jaxckpt.layers import param_dict
+
+    ours, theirs = param_dict(model), hf_state(hf)
+    np.testing.assert_array_equal(ours[name], theirs[name])
+    np.testing.assert_array_equal(ours[experts][expert], theirs[experts][expert].T)
+
+
+def assert_loads_from_memory(hf, cls, model):
+    """`cls.from_params` over transformers' in-memory state dict builds the same parameters as the files gave."""
+    from jaxckpt.layers import param_dict
+
+    ours = param_dict(model)
+    from_memory = param_dict(cls.from_params(hf.config.to_dict(), hf_state(hf), **SERVING))
+    assert ours.keys() == from_memory.keys()
+    assert all(np.array_equal(a, from_memory[k]) for k, a in ours.items())
+
+
+def bf16_params(hf, cls, prefix) -> dict:
+    """The parameters of `cls.from_pretrained` over `hf` saved in bf16 (the config's dtype, so the model's)."""
+    import copy
+    import tempfile
+
+    import torch
+
+    from jaxckpt.layers import param_dict
+
+    folder = tempfile.mkdtemp(prefix=prefix)
+    copy.deepcopy(hf).to(torch.bfloat16).save_pretrained(folder)
+    ours = cls.from_pretrained(folder, block_size=8, max_model_len=128)
+    assert ours.config.dtype == "bfloat16"
+    return param_dict(ours)
 
 
 def corrupted(model, name, change):

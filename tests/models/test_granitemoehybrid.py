@@ -12,14 +12,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxckpt.layers import param_dict  # noqa: E402
 from jaxckpt.models import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM  # noqa: E402
-from jaxckpt.models.common import read_safetensors  # noqa: E402
-from tests.models.hf_helpers import (SERVING, TOL, assert_same_routing, capture_routing,  # noqa: E402
-                                     check_checkpoint_resume, corrupted, hf_logits, hf_modeling, packed_errors,
-                                     random_rows, randomize, rel_rms, save_sharded)
+from tests.models.hf_helpers import (SERVING, VOCAB, assert_caught, assert_in_files,  # noqa: E402
+                                     assert_loads_from_memory, assert_packed_rows_match, assert_reference_logits_match,
+                                     assert_same_as_transformers, assert_same_routing, capture_routing,
+                                     check_checkpoint_resume, hf_modeling, random_rows, randomize, save_sharded,
+                                     swapped)
 
-VOCAB = 96
 HEADS, D_HEAD, GROUPS, STATE = 8, 8, 2, 8
 
 
@@ -47,43 +46,29 @@ def _models(variant="moe"):
     return hf, GraniteMoeHybridForCausalLM.from_pretrained(folder, **SERVING), folder
 
 
-def _rows(seed, lengths):
-    return random_rows(seed, lengths, VOCAB)
-
-
 def test_loads_the_files_by_their_names():
     hf, ours, folder = _models()
-    files = read_safetensors(folder)
-    for name in ("model.layers.0.block_sparse_moe.input_linear.weight",
-                 "model.layers.0.block_sparse_moe.router.layer.weight", "model.layers.2.mamba.conv1d.weight"):
-        assert name in files, name
-    ours_params = param_dict(ours)
-    hf_params = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
-    np.testing.assert_array_equal(ours_params["model.layers.2.mamba.in_proj.weight"],
-                                  hf_params["model.layers.2.mamba.in_proj.weight"])
-    np.testing.assert_array_equal(ours_params["model.layers.1.block_sparse_moe.experts.gate_up_proj"][3],
-                                  hf_params["model.layers.1.block_sparse_moe.experts.gate_up_proj"][3].T)
+    assert_in_files(folder, ("model.layers.0.block_sparse_moe.input_linear.weight",
+                             "model.layers.0.block_sparse_moe.router.layer.weight",
+                             "model.layers.2.mamba.conv1d.weight"))
+    assert_same_as_transformers(hf, ours, "model.layers.2.mamba.in_proj.weight",
+                                experts="model.layers.1.block_sparse_moe.experts.gate_up_proj", expert=3)
     assert ours.checkpoint_alignment() == 1
-    from_memory = GraniteMoeHybridForCausalLM.from_params(hf.config.to_dict(), hf_params, **SERVING)
-    assert all(np.array_equal(a, param_dict(from_memory)[k]) for k, a in ours_params.items())
+    assert_loads_from_memory(hf, GraniteMoeHybridForCausalLM, ours)
 
 
 @pytest.mark.parametrize("variant", ["moe", "dense"])
 def test_packed_rows_of_several_lengths_match_transformers(variant):
-    hf, ours, _ = _models(variant)
-    errors = packed_errors(hf, ours, _rows(0, [7, 19, 33]))
-    assert max(errors) <= TOL, f"rows of 7, 19, 33: rel-RMS {errors}"
+    assert_packed_rows_match(*_models(variant)[:2], random_rows(0, [7, 19, 33]))
 
 
 def test_reference_logits_match_transformers():
-    hf, ours, _ = _models()
-    row = _rows(6, [21])[0]
-    assert rel_rms(ours.reference_logits(row), hf_logits(hf, row)) <= TOL
+    assert_reference_logits_match(*_models()[:2], random_rows(6, [21])[0])
 
 
 def test_moe_routing_identical():
     hf, ours, _ = _models()
-    captured = capture_routing(hf, lambda layer: layer.block_sparse_moe.router, _rows(1, [40])[0])
+    captured = capture_routing(hf, lambda layer: layer.block_sparse_moe.router, random_rows(1, [40])[0])
     assert_same_routing(captured, [layer.block_sparse_moe.route for layer in ours.model.layers])
     assert len(captured) == 4
 
@@ -93,14 +78,8 @@ def test_checkpointed_prefill_resume_and_decode_match_transformers_cache(variant
     """`hf_helpers.check_checkpoint_resume`: prefill 30 with checkpoints at 16 and 24, resume from 16, decode 3; the
     caches at 16 (Mamba2 conv windows and SSM states, keys and values) convert both ways."""
     hf, ours, _ = _models(variant)
-    prompt, decode_tokens = _rows(2, [30, 3])
+    prompt, decode_tokens = random_rows(2, [30, 3])
     check_checkpoint_resume(hf, ours, prompt, decode_tokens)
-
-
-def _swap_experts(w):
-    w = w.copy()
-    w[[1, 6]] = w[[6, 1]]
-    return w
 
 
 def _swapped_groups(w):
@@ -118,14 +97,12 @@ def _swapped_gate_up(w):
 
 
 @pytest.mark.parametrize("name, change", [
-    ("model.layers.2.block_sparse_moe.experts.gate_up_proj", _swap_experts),
+    ("model.layers.2.block_sparse_moe.experts.gate_up_proj", swapped(1, 6)),
     ("model.layers.0.mamba.in_proj.weight", _swapped_groups),
     ("model.layers.1.shared_mlp.input_linear.weight", _swapped_gate_up),
 ], ids=["swapped-experts", "swapped-mamba-groups", "swapped-gate-up"])
 def test_negative_controls(name, change):
-    hf, ours, _ = _models()
-    errors = packed_errors(hf, ours, _rows(3, [7, 19, 33]), state=corrupted(ours, name, change))
-    assert max(errors) > 100 * TOL, f"{name} corrupted, still rel-RMS {errors}"
+    assert_caught(*_models()[:2], name, change, random_rows(3, [7, 19, 33]))
 
 
 def test_config_reads_the_published_form_and_rejects_what_it_cannot_run():

@@ -14,12 +14,12 @@ transformers = pytest.importorskip("transformers")
 
 from jaxckpt.layers import param_dict  # noqa: E402
 from jaxckpt.models import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
-from jaxckpt.models.common import read_safetensors  # noqa: E402
-from tests.models.hf_helpers import (SERVING, TOL, assert_same_routing, capture_routing,  # noqa: E402
-                                     check_checkpoint_resume, corrupted, hf_modeling, packed_errors, random_rows,
-                                     randomize, save_sharded)
+from tests.models.hf_helpers import (SERVING, VOCAB, assert_caught, assert_in_files,  # noqa: E402
+                                     assert_loads_from_memory, assert_packed_rows_match, assert_reference_logits_match,
+                                     assert_same_as_transformers, assert_same_routing, bf16_params, capture_routing,
+                                     check_checkpoint_resume, hf_modeling, hf_state, random_rows, randomize,
+                                     save_sharded, swapped)
 
-VOCAB = 96
 HEADS, NOPE, ROPE, V_DIM, RANK = 4, 8, 8, 12, 16
 
 
@@ -48,23 +48,14 @@ def _models(q_lora_rank=None):
     return hf, KimiLinearForCausalLM.from_pretrained(folder, **SERVING), folder
 
 
-def _rows(seed, lengths):
-    return random_rows(seed, lengths, VOCAB)
-
-
 def test_loads_the_files_by_their_names():
     hf, ours, folder = _models()
-    files = read_safetensors(folder)
-    # the files' names, which transformers renames on load
-    for name in ("model.layers.1.block_sparse_moe.experts.7.w3.weight", "model.layers.0.self_attn.q_conv1d.weight",
-                 "model.layers.0.self_attn.A_log", "model.layers.1.block_sparse_moe.gate.e_score_correction_bias"):
-        assert name in files, name
-    ours_params = param_dict(ours)
-    hf_params = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
-    np.testing.assert_array_equal(ours_params["model.layers.1.self_attn.kv_b_proj.weight"],
-                                  hf_params["model.layers.1.self_attn.kv_b_proj.weight"])
-    np.testing.assert_array_equal(ours_params["model.layers.2.mlp.experts.gate_up_proj"][5],
-                                  hf_params["model.layers.2.mlp.experts.gate_up_proj"][5].T)
+    assert_in_files(folder, ("model.layers.1.block_sparse_moe.experts.7.w3.weight",
+                             "model.layers.0.self_attn.q_conv1d.weight", "model.layers.0.self_attn.A_log",
+                             "model.layers.1.block_sparse_moe.gate.e_score_correction_bias"))
+    assert_same_as_transformers(hf, ours, "model.layers.1.self_attn.kv_b_proj.weight",
+                                experts="model.layers.2.mlp.experts.gate_up_proj", expert=5)
+    ours_params, hf_params = param_dict(ours), hf_state(hf)
     np.testing.assert_array_equal(np.concatenate([ours_params[f"model.layers.0.self_attn.{n}_conv1d.weight"]
                                                   for n in "qkv"]),
                                   hf_params["model.layers.0.self_attn.conv1d.weight"][:, 0])
@@ -72,35 +63,27 @@ def test_loads_the_files_by_their_names():
                                   hf_params["model.layers.2.self_attn.forget_gate.A_log"].reshape(-1))
     assert ours.checkpoint_alignment() == 1
     # transformers' in-memory state dict (nested forget gate, fused convs and experts, `mlp`) loads the same model
-    from_memory = KimiLinearForCausalLM.from_params(hf.config.to_dict(), hf_params, **SERVING)
-    assert all(np.array_equal(a, param_dict(from_memory)[k]) for k, a in ours_params.items())
+    assert_loads_from_memory(hf, KimiLinearForCausalLM, ours)
 
 
 def test_packed_rows_of_several_lengths_match_transformers():
-    hf, ours, _ = _models()
-    errors = packed_errors(hf, ours, _rows(0, [7, 19, 33]))
-    assert max(errors) <= TOL, f"rows of 7, 19, 33: rel-RMS {errors}"
+    assert_packed_rows_match(*_models()[:2], random_rows(0, [7, 19, 33]))
 
 
 def test_q_lora_variant_matches_transformers():
     hf, ours, _ = _models(q_lora_rank=12)
     assert "model.layers.1.self_attn.q_a_layernorm.weight" in param_dict(ours)
-    errors = packed_errors(hf, ours, _rows(5, [11, 26]))
-    assert max(errors) <= TOL, f"rows of 11, 26: rel-RMS {errors}"
+    assert_packed_rows_match(hf, ours, random_rows(5, [11, 26]))
 
 
 def test_reference_logits_match_transformers():
     """The uncached oracle (MLA with keys and values expanded per head, float64 KDA) agrees as well."""
-    from tests.models.hf_helpers import hf_logits, rel_rms
-
-    hf, ours, _ = _models()
-    row = _rows(6, [21])[0]
-    assert rel_rms(ours.reference_logits(row), hf_logits(hf, row)) <= TOL
+    assert_reference_logits_match(*_models()[:2], random_rows(6, [21])[0])
 
 
 def test_moe_routing_identical():
     hf, ours, _ = _models()
-    captured = capture_routing(hf, lambda layer: getattr(layer.mlp, "gate", None), _rows(1, [40])[0])
+    captured = capture_routing(hf, lambda layer: getattr(layer.mlp, "gate", None), random_rows(1, [40])[0])
     assert_same_routing(captured, [layer.mlp.route for layer in ours.model.layers if hasattr(layer.mlp, "route")])
     assert len(captured) == 3
     # the bias changed some choices: without it, routing differs somewhere
@@ -118,14 +101,8 @@ def test_checkpointed_prefill_resume_and_decode_match_transformers_cache():
     """`hf_helpers.check_checkpoint_resume`: prefill 30 with checkpoints at 16 and 24, resume from 16, decode 3; the
     caches at 16 (KDA conv windows and states, MLA latents and shared keys) convert both ways."""
     hf, ours, _ = _models()
-    prompt, decode_tokens = _rows(2, [30, 3])
+    prompt, decode_tokens = random_rows(2, [30, 3])
     check_checkpoint_resume(hf, ours, prompt, decode_tokens)
-
-
-def _swap_experts(w):
-    w = w.copy()
-    w[[2, 5]] = w[[5, 2]]
-    return w
 
 
 def _misgrouped_kv_b(w):
@@ -144,27 +121,17 @@ def _permuted_conv(w):
 
 
 @pytest.mark.parametrize("name, change", [
-    ("model.layers.2.mlp.experts.gate_up_proj", _swap_experts),
+    ("model.layers.2.mlp.experts.gate_up_proj", swapped(2, 5)),
     ("model.layers.1.self_attn.kv_b_proj.weight", _misgrouped_kv_b),
     ("model.layers.3.self_attn.kv_a_proj_with_mqa.weight", _swapped_latent_and_rope),
     ("model.layers.0.self_attn.k_conv1d.weight", _permuted_conv),
 ], ids=["swapped-experts", "misgrouped-kv_b", "swapped-latent-rope", "permuted-k-conv"])
 def test_negative_controls(name, change):
-    hf, ours, _ = _models()
-    errors = packed_errors(hf, ours, _rows(3, [7, 19, 33]), state=corrupted(ours, name, change))
-    assert max(errors) > 100 * TOL, f"{name} corrupted, still rel-RMS {errors}"
+    assert_caught(*_models()[:2], name, change, random_rows(3, [7, 19, 33]))
 
 
 def test_bf16_folder_loads_in_bf16():
-    import copy
-    import tempfile
-
-    hf, _, _ = _models()
-    folder = tempfile.mkdtemp(prefix="kimi_linear_bf16_")
-    copy.deepcopy(hf).to(torch.bfloat16).save_pretrained(folder)
-    ours = KimiLinearForCausalLM.from_pretrained(folder, block_size=8, max_model_len=128)
-    assert ours.config.dtype == "bfloat16"
-    params = param_dict(ours)
+    params = bf16_params(_models()[0], KimiLinearForCausalLM, "kimi_linear_bf16_")
     assert params["model.layers.1.self_attn.kv_b_proj.weight"].dtype == np.dtype("bfloat16")
     # the router and the decay parameters stay fp32, as in transformers
     for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",

@@ -13,14 +13,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxckpt.layers import param_dict  # noqa: E402
 from jaxckpt.models import Qwen3NextForCausalLM  # noqa: E402
 from jaxckpt.models.common import read_safetensors  # noqa: E402
-from tests.models.hf_helpers import (PAGES, SERVING, SLOTS, TOL, assert_same_routing, capture_routing,  # noqa: E402
-                                     check_checkpoint_resume, corrupted, hf_logits, hf_modeling, packed_errors,
-                                     random_rows, randomize, rel_rms, save_sharded)
+from tests.models.hf_helpers import (PAGES, SERVING, SLOTS, TOL, VOCAB, assert_caught,  # noqa: E402
+                                     assert_loads_from_memory, assert_packed_rows_match, assert_same_as_transformers,
+                                     assert_same_routing, bf16_params, capture_routing, check_checkpoint_resume,
+                                     hf_logits, hf_modeling, random_rows, randomize, rel_rms, save_sharded, swapped)
 
-VOCAB = 96
 
 
 @functools.cache
@@ -38,10 +37,6 @@ def _models():
     return hf, Qwen3NextForCausalLM.from_pretrained(folder, **SERVING), folder
 
 
-def _rows(seed, lengths):
-    return random_rows(seed, lengths, VOCAB)
-
-
 def test_loads_sharded_files_by_their_names():
     hf, ours, folder = _models()
     files = read_safetensors(folder)
@@ -50,24 +45,19 @@ def test_loads_sharded_files_by_their_names():
     import os
     with open(os.path.join(folder, "model.safetensors.index.json")) as f:
         assert len(set(json.load(f)["weight_map"].values())) > 1
-    ours_params = param_dict(ours)
-    hf_params = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
-    np.testing.assert_array_equal(ours_params["model.layers.3.self_attn.q_proj.weight"],
-                                  hf_params["model.layers.3.self_attn.q_proj.weight"])
-    np.testing.assert_array_equal(ours_params["model.layers.0.mlp.experts.down_proj"][5],
-                                  hf_params["model.layers.0.mlp.experts.down_proj"][5].T)
+    assert_same_as_transformers(hf, ours, "model.layers.3.self_attn.q_proj.weight",
+                                experts="model.layers.0.mlp.experts.down_proj", expert=5)
     assert ours.checkpoint_alignment() == 1
+    assert_loads_from_memory(hf, Qwen3NextForCausalLM, ours)  # transformers' fused experts
 
 
 def test_packed_rows_of_several_lengths_match_transformers():
-    hf, ours, _ = _models()
-    errors = packed_errors(hf, ours, _rows(0, [7, 19, 33]))
-    assert max(errors) <= TOL, f"rows of 7, 19, 33: rel-RMS {errors}"
+    assert_packed_rows_match(*_models()[:2], random_rows(0, [7, 19, 33]))
 
 
 def test_moe_routing_identical():
     hf, ours, _ = _models()
-    captured = capture_routing(hf, lambda layer: getattr(layer.mlp, "gate", None), _rows(1, [40])[0])
+    captured = capture_routing(hf, lambda layer: getattr(layer.mlp, "gate", None), random_rows(1, [40])[0])
     assert_same_routing(captured, [layer.mlp.route for layer in ours.model.layers if hasattr(layer.mlp, "route")])
     assert len(captured) == 3
 
@@ -76,14 +66,8 @@ def test_checkpointed_prefill_resume_and_decode_match_transformers_cache():
     """`hf_helpers.check_checkpoint_resume`: prefill 30 with checkpoints at 16 and 24, resume from 16, decode 3; the
     caches at 16 convert both ways."""
     hf, ours, _ = _models()
-    prompt, decode_tokens = _rows(2, [30, 3])
+    prompt, decode_tokens = random_rows(2, [30, 3])
     check_checkpoint_resume(hf, ours, prompt, decode_tokens)
-
-
-def _swap_experts(w):
-    w = w.copy()
-    w[[0, 1]] = w[[1, 0]]
-    return w
 
 
 def _ungrouped_qkvz(w):
@@ -100,27 +84,17 @@ def _swapped_query_gate(w):
 
 
 @pytest.mark.parametrize("name, change", [
-    ("model.layers.0.mlp.experts.gate_up_proj", _swap_experts),
+    ("model.layers.0.mlp.experts.gate_up_proj", swapped(0, 1)),
     ("model.layers.2.linear_attn.in_proj_qkvz.weight", _ungrouped_qkvz),
     ("model.layers.3.self_attn.q_proj.weight", _swapped_query_gate),
 ], ids=["swapped-experts", "ungrouped-qkvz", "swapped-query-gate"])
 def test_negative_controls(name, change):
-    hf, ours, _ = _models()
-    rows = _rows(3, [7, 19, 33])
-    errors = packed_errors(hf, ours, rows, state=corrupted(ours, name, change))
-    assert max(errors) > 100 * TOL, f"{name} corrupted, still rel-RMS {errors}"
+    assert_caught(*_models()[:2], name, change, random_rows(3, [7, 19, 33]))
 
 
 def test_bf16_folder_loads_in_bf16():
-    import tempfile
-
     hf, _, _ = _models()
-    folder = tempfile.mkdtemp(prefix="qwen3_next_bf16_")
-    import copy
-    copy.deepcopy(hf).to(torch.bfloat16).save_pretrained(folder)
-    ours = Qwen3NextForCausalLM.from_pretrained(folder, block_size=8, max_model_len=128)
-    assert ours.config.dtype == "bfloat16"
-    params = param_dict(ours)
+    params = bf16_params(hf, Qwen3NextForCausalLM, "qwen3_next_bf16_")
     weight = params["model.layers.0.linear_attn.in_proj_qkvz.weight"]
     assert weight.dtype == np.dtype("bfloat16")
     expected = hf.state_dict()["model.layers.0.linear_attn.in_proj_qkvz.weight"].to(torch.bfloat16).float().numpy()
@@ -134,7 +108,7 @@ def test_engine_serves_it_with_checkpoints():
     from jaxckpt.engine import Engine, EngineConfig, HybridRunner
 
     hf, ours, _ = _models()
-    shared, tail_a, tail_b = _rows(4, [19, 6, 9])
+    shared, tail_a, tail_b = random_rows(4, [19, 6, 9])
     engine = Engine(HybridRunner(ours, prefill_tokens=64, num_checkpoints=4),
                     EngineConfig(mode="several", num_kv_pages=PAGES, num_state_slots=SLOTS, max_new_tokens=2,
                                  max_num_scheduled_tokens=64))
