@@ -46,6 +46,22 @@ def make_kda_inputs(rng, num_tokens, num_heads, num_v_heads, head_k, head_v, *, 
                 beta=rng.uniform(0.05, 0.95, size=(num_tokens, num_v_heads)).astype(np.float32))
 
 
+def raw_keys(rng, x, *, norms=(1e-3, 1e3), parallel=0.9):
+    """x's keys made raw, in place: norms log-uniform over `norms`, each token's key `parallel`-correlated with
+    its head's common direction (near-parallel keys: the inverse's worst case), and beta = beta' / |k|^2 with beta'
+    in (0.05, 2], so every transition I - beta k k^T stays contractive, as in a model with unnormalized keys."""
+    k = x["k"]
+    common = k[:1] / np.linalg.norm(k[:1], axis=-1, keepdims=True)
+    unit = parallel * common + np.sqrt(1 - parallel ** 2) * k
+    unit /= np.linalg.norm(unit, axis=-1, keepdims=True)
+    norms = np.exp(rng.uniform(*np.log(norms), size=k.shape[:2]))  # [T, H]
+    x["k"] = (unit * norms[..., None]).astype(np.float32)
+    group = x["beta"].shape[1] // k.shape[1]
+    beta_eff = rng.uniform(0.05, 2.0, size=x["beta"].shape)
+    x["beta"] = (beta_eff / np.repeat(norms, group, axis=1) ** 2).astype(np.float32)
+    return x
+
+
 def layout(cu_seqlens, num_tokens, chunk=CHUNK):
     """chunk_start, chunk_len (i32[NC]) of packed rows, as `delta_rule` builds them (no checkpoints)."""
     import jax.numpy as jnp

@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 # no public accessor in jax 0.11.2 for the race detector's verdict or for resetting after a failed kernel
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races, reset_gpu_interpret_mode_state
 
-from tests.ops.intra_cases import OUTPUTS, gate_cumsum, layout, make_gdn_inputs as make_inputs, triton_intra
+from tests.ops.intra_cases import OUTPUTS, gate_cumsum, layout, make_gdn_inputs as make_inputs, raw_keys, triton_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mgi
 
 pytestmark = pytest.mark.interpret
@@ -69,10 +69,13 @@ def float64_intra(chunk_start, chunk_len, q, k, v, beta, g, *, group, scale):
 
 
 def run_both(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQLENS, num_tokens=NUM_TOKENS,
-             interpret=True, **tuning):
-    """(Mosaic GPU outputs, Triton outputs, float64 outputs, chunk_len) for fresh inputs, padding tokens NaN."""
+             interpret=True, raw=None, **tuning):
+    """(Mosaic GPU outputs, Triton outputs, float64 outputs, chunk_len) for fresh inputs, padding tokens NaN; `raw`:
+    keys with norms in that range (`raw_keys`)."""
     rng = np.random.default_rng(seed)
     x = make_inputs(rng, num_tokens, num_heads, num_heads * group, head_k, head_v)
+    if raw:
+        raw_keys(rng, x, norms=raw)
     for name in ("q", "k", "v"):
         x[name][cu_seqlens[-1]:] = np.nan  # padding tokens: never read unmasked
     q, k, v = (jnp.asarray(x[name], dtype) for name in ("q", "k", "v"))
@@ -127,6 +130,16 @@ def fresh_interpreter():
 def test_matches_triton_and_float64(dtype, num_heads, group, head_k, head_v, tuning):
     seed = int(np.random.SeedSequence().entropy % 2 ** 32)
     check_outputs(seed, dtype, *run_both(seed, dtype, num_heads, group, head_k, head_v, **tuning), tol=TOL[dtype])
+
+
+# fp16 I/O: beta v ~ 2 / |k|^2 must itself fit fp16, so the keys' norms span three decades there
+@pytest.mark.parametrize("dtype, norms", [(jnp.bfloat16, (1e-3, 1e3)), (jnp.float16, (0.015, 60.0))])
+def test_raw_keys_of_any_norm(dtype, norms):
+    """Keys with norms over three to six decades, near-parallel, beta = beta' / |k|^2 (beta' up to 2) and mild to
+    strong decays: A's entries reach beta' |k_i| / |k_j| ~ 1e3-1e6, past what the fp16 inverse holds unscaled; the
+    kernel's similarity D A D^-1 (module docstring, step 4) keeps its operands at most 2 beta'."""
+    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+    check_outputs(seed, dtype, *run_both(seed, dtype, 1, 2, 64, 64, raw=norms), tol=TOL[dtype])
 
 
 def test_supports_reasons():

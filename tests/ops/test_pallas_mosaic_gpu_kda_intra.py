@@ -23,7 +23,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 # no public accessor in jax 0.11.2 for the race detector's verdict or for resetting after a failed kernel
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races, reset_gpu_interpret_mode_state
 
-from tests.ops.intra_cases import OUTPUTS, make_kda_inputs as make_inputs, mosaic_kda_intra, prepared, triton_kda_intra
+from tests.ops.intra_cases import (OUTPUTS, make_kda_inputs as make_inputs, mosaic_kda_intra, prepared, raw_keys,
+                                  triton_kda_intra)
 from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mki
 
 pytestmark = pytest.mark.interpret
@@ -70,10 +71,12 @@ def float64_intra(chunk_start, chunk_len, q, k, v, beta, g, *, group, scale):
 
 
 def run_all(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQLENS, num_tokens=NUM_TOKENS,
-            strong=False, interpret=True, **tuning):
+            strong=False, raw=None, interpret=True, **tuning):
     """(Mosaic GPU outputs, Triton outputs, float64 outputs, chunk_len, G) for fresh inputs, padding tokens NaN."""
     rng = np.random.default_rng(seed)
     x = make_inputs(rng, num_tokens, num_heads, num_heads * group, head_k, head_v, strong=strong)
+    if raw:
+        raw_keys(rng, x, norms=raw)  # keys with norms in that range
     for name in ("q", "k", "v"):
         x[name][cu_seqlens[-1]:] = np.nan  # padding tokens: never read unmasked
     p = prepared(x, cu_seqlens, dtype, interpret=interpret)
@@ -125,6 +128,16 @@ def fresh_interpreter():
 def test_matches_triton_and_float64(dtype, num_heads, group, tuning):
     seed = int(np.random.SeedSequence().entropy % 2 ** 32)
     outputs = run_all(seed, dtype, num_heads, group, 64, 64, **tuning)
+    check_outputs(seed, dtype, *outputs[:4], tol=TOL[dtype])
+
+
+# fp16 I/O: beta v ~ 2 / |k|^2 must itself fit fp16, so the keys' norms span fewer decades there
+@pytest.mark.parametrize("dtype, norms", [(jnp.bfloat16, (1e-3, 1e3)), (jnp.float16, (0.015, 60.0))])
+def test_raw_keys_of_any_norm(dtype, norms):
+    """`pallas_mosaic_gpu_intra`'s test of the same name: keys over several decades of norm, near-parallel,
+    beta = beta' / |k|^2 with beta' up to 2; the similarity keeps the fp16 inverse's operands in range."""
+    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+    outputs = run_all(seed, dtype, 1, 2, 64, 64, raw=norms)
     check_outputs(seed, dtype, *outputs[:4], tol=TOL[dtype])
 
 

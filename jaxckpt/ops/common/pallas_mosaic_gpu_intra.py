@@ -298,10 +298,11 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_re
     gamma = jnp.exp(G_row)
 
     k = _tokens(land_k, length)
+    d, d_inv = tiles.key_scales(jnp.sum(k * k, axis=1))
     tiles.store_parts(k_s, k, parts)
-    tiles.store_parts(kb_s, k * tiles.by_row(b_row * gamma, k.shape), parts)
+    tiles.store_parts(kb_s, k * tiles.by_row(b_row * gamma * d, k.shape), parts)  # D (beta exp(G) K)
     v = _tokens(land_v, length)
-    tiles.store_parts(vb_s, v * tiles.by_row(b_row, v.shape), parts)
+    tiles.store_parts(vb_s, v * tiles.by_row(b_row * d, v.shape), parts)  # D (beta V)
     q = _tokens(land_q, length)
     plgpu.commit_smem()  # also a warpgroup barrier: the landing tiles are dead from here on
     _stage_out(score_stages, k * tiles.by_row(jnp.exp(G_last - G_row), k.shape), kd_ref.at[h, c])
@@ -316,11 +317,12 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_re
     _stage_out(score_stages, scale * qk * decay, aqk_ref.at[h, c])
     _stage_out(score_stages, scale * q * tiles.by_row(gamma, q.shape), qg_ref.at[h, c])
 
-    A = _strict_A(S, b_row, decay)
+    A = _strict_A(S, b_row * d, decay) * tiles.by_col(tiles.as_cols(d_inv, CHUNK), sq)  # D A D^-1
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the score stages share their bytes with the inverse's
     T = _inverse(A, *inv_bufs, pad=pad[0] if substitute else None)
     w, u = tiles.dots((T, tuple(kb_s.at[p] for p in range(parts)), (CHUNK, head_k)),
                  (T, tuple(vb_s.at[p] for p in range(parts)), (CHUNK, head_v)))
+    w, u = (x * tiles.by_row(d_inv, x.shape) for x in (w, u))  # D^-1 T' D (.)
     _stage_out(wy_stages, w, w_ref.at[h, c])
     _stage_out(wy_stages, u, u_ref.at[h, c])
     # the CTA may exit once its stores have read SMEM (as CUTLASS epilogues do): the writes finish before the

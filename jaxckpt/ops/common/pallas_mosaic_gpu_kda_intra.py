@@ -376,12 +376,13 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
     valid = tiles.iota(slab, 0) < length
     # rows past the chunk's length zeroed in place, once (every later read sees them); the diagonal of the query
     # scores (exp(0) = 1) on the way
-    diag = None
+    diag = r2 = 0.0
     for j in _slabs(land_k):
         q, k = (jnp.where(valid, plgpu.load(land.at[j], layout=_WG).astype(_F32), 0.0) for land in (land_q, land_k))
         land_q.at[j][...], land_k.at[j][...] = q.astype(land_q.dtype), k.astype(land_k.dtype)
-        diag = jnp.sum(q * k, axis=1) if diag is None else diag + jnp.sum(q * k, axis=1)
+        diag, r2 = diag + jnp.sum(q * k, axis=1), r2 + jnp.sum(k * k, axis=1)
     plgpu.commit_smem()
+    d, d_inv = tiles.key_scales(r2)
 
     sq = (CHUNK, CHUNK)
     kk, qk = _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s, shifted=shifted)
@@ -396,7 +397,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
         k = plgpu.load(land_k.at[j], layout=_WG).astype(_F32)
         q = plgpu.load(land_q.at[j], layout=_WG).astype(_F32)
         gamma = jnp.exp(G)
-        kb.append(tiles.split(k * tiles.by_row(b_row, slab) * gamma, op_dtype, parts))
+        kb.append(tiles.split(k * tiles.by_row(b_row * d, slab) * gamma, op_dtype, parts))  # D (beta exp(G) K)
         land_k.at[j][...] = (k * jnp.exp(_row(g_rows, CHUNK - 1, j) - G)).astype(land_k.dtype)  # padding: G flat
         land_q.at[j][...] = (scale * q * gamma).astype(land_q.dtype)
     plgpu.commit_smem()  # also a warpgroup barrier: the score phase's tiles are dead from here on
@@ -410,7 +411,8 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(aqk_s, aqk_ref.at[h, c])
 
-    T = _inverse(jnp.where(rows_sq > cols_sq, tiles.by_row(b_row, sq) * kk, 0.0), t_buf, p_buf, pad=pad)
+    A = tiles.by_row(b_row * d, sq) * kk * tiles.by_col(tiles.as_cols(d_inv, CHUNK), sq)  # D A D^-1
+    T = _inverse(jnp.where(rows_sq > cols_sq, A, 0.0), t_buf, p_buf, pad=pad)
     if t_single:  # T rounded once to the input dtype, in AQK's staging tile once its store has read it
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         aqk_s[...] = T.astype(aqk_s.dtype)
@@ -420,10 +422,12 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
         t_terms = _terms(t_buf, t_buf.shape[0])
     plgpu.barrier_wait(v_bar)
     v = jnp.concatenate([plgpu.load(land_v.at[j], layout=_WG) for j in _slabs(land_v)], axis=1).astype(_F32)
-    tiles.store_parts(vb_s, jnp.where(tiles.iota(v.shape, 0) < length, v, 0.0) * tiles.by_row(b_row, v.shape), parts)
+    vb = jnp.where(tiles.iota(v.shape, 0) < length, v, 0.0) * tiles.by_row(b_row * d, v.shape)  # D (beta V)
+    tiles.store_parts(vb_s, vb, parts)
     plgpu.commit_smem()
     head_k, head_v = kb_s.shape[-1], vb_s.shape[-1]
     w, u = tiles.dots((t_terms, _terms(kb_s, parts), (CHUNK, head_k)), (t_terms, _terms(vb_s, parts), (CHUNK, head_v)))
+    w, u = (x * tiles.by_row(d_inv, x.shape) for x in (w, u))  # D^-1 T' D (.)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # KD has left land_k
     _store_pieces(land_k, w)
     _store_pieces(land_v, u)
