@@ -273,15 +273,13 @@ def test_supports_sizes_the_launch_grids_from_the_rows():
 
 def test_defaults_run_the_lanes_pass_against_float64():
     """Left-out options: the lanes state pass with pieces from the shapes and one term per chain product; the Mosaic
-    GPU intra when the op normalizes q and k."""
+    GPU intra for any keys."""
     assert mosaic_delta.default_tuning(per_channel_decay=False) == dict(intra="mosaic_gpu", state="v2", pieces="auto",
                                                                         state_terms=1)
     assert mosaic_delta.default_tuning(per_channel_decay=True) == dict(intra="mosaic_gpu", state="v2", pieces="auto",
                                                                        state_terms=1)
     assert mosaic_delta.default_tuning(per_channel_decay=False, state="v1") == dict(
         intra="mosaic_gpu", state="v1", pieces=1, state_terms=2)
-    # the Mosaic GPU GDN intra's fp16 inverse relies on unit keys: without the op's normalization, the Triton one
-    assert mosaic_delta.default_tuning(per_channel_decay=False, use_qk_l2norm=False)["intra"] == "pallas_triton"
     inputs, options = make_case(np.random.default_rng(), per_channel=False, layout="kv")
     arrays = {name: jnp.asarray(x) for name, x in poisoned(inputs).items()}
     given = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
@@ -292,6 +290,26 @@ def test_defaults_run_the_lanes_pass_against_float64():
     with pytest.raises(ValueError, match="state='fused' replaces"):
         mosaic_delta.delta_rule_mosaic(**arrays, per_channel_decay=False, interpret=True, state="fused",
                                        intra="pallas_triton")
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_defaults_on_raw_keys_against_float64(per_channel):
+    """The default call with use_qk_l2norm=False on raw keys (norms log-uniform over [1e-3, 1e3], beta = beta' / |k|^2
+    with beta' up to 2): the Mosaic GPU intra's scaled inverse keeps the whole op in the bf16 class."""
+    rng = np.random.default_rng()
+    inputs, options = make_case(rng, per_channel=per_channel, layout="kv")
+    k = inputs["k"].astype(np.float32)
+    norms = np.exp(rng.uniform(np.log(1e-3), np.log(1e3), size=k.shape[:2]))  # [T, 1]
+    inputs["k"] = (k / np.linalg.norm(k, axis=-1, keepdims=True) * norms[..., None]).astype(ml_dtypes.bfloat16)
+    inputs["beta"] = (rng.uniform(0.05, 2.0, size=inputs["beta"].shape) / norms ** 2).astype(np.float32)
+    options["use_qk_l2norm"] = False
+    arrays = {name: jnp.asarray(x) for name, x in poisoned(inputs).items()}
+    given = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
+    mosaic, reference = (kda_mosaic.kda, kda_reference.kda) if per_channel else (
+        gdn_mosaic.gated_delta_rule, gdn_reference.gated_delta_rule)
+    actual = [np.asarray(x, np.float32) for x in mosaic(**arrays, **given, interpret=True)]
+    for name, a, r in zip(("o", "final_state", "checkpoint_states"), actual, reference(**inputs, **options)):
+        assert np.isfinite(a).all() and rel_rms(a, r) <= BF16_TOL, (name, rel_rms(a, r))
 
 
 @pytest.mark.parametrize("state", ["v2", "fused"])

@@ -121,15 +121,15 @@ def _is_hopper() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
-def default_tuning(*, per_channel_decay, state=None, use_qk_l2norm=True):
+def default_tuning(*, per_channel_decay, state=None):
     """What the options left out mean (measured on the H200, bench/README.md "Pallas Mosaic GPU, version 2" and
     "Session 6"): the lanes state pass with the sequence split chosen from the shapes and one 16-bit term per product
     on the state chain (`state_terms=1`, FLA's precision: 17-19% less device time for GDN at one row, states still
     below FLA's error on the parity problem); the Mosaic GPU intra pass (GDN: 2.9x faster than the Triton one; KDA:
-    fp16 score operands, 2.6x faster) when the op normalizes q and k itself (their fp16 inverses rely on unit keys and
-    beta <= 1, `pallas_mosaic_gpu_intra`), else the Triton one. `state` given: its pieces."""
+    fp16 score operands, 2.6x faster) for keys of any norm (its inverse is scaled by the keys' norms,
+    `pallas_mosaic_gpu_intra`, "Range"). `state` given: its pieces."""
     state = state or "v2"
-    return dict(intra="mosaic_gpu" if use_qk_l2norm else "pallas_triton", state=state,
+    return dict(intra="mosaic_gpu", state=state,
                 pieces=1 if state == "v1" else "auto", state_terms=2 if state == "v1" else 1)
 
 
@@ -482,7 +482,7 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
         given = sorted(name for name, value in given.items() if value is not None)
         if given:
             raise ValueError(f"tuning: {given} tune the intra pass, which state='fused' replaces with its own kernels")
-    defaults = default_tuning(per_channel_decay=per_channel_decay, state=state, use_qk_l2norm=use_qk_l2norm)
+    defaults = default_tuning(per_channel_decay=per_channel_decay, state=state)
     intra = defaults["intra"] if intra is None else intra
     state = defaults["state"]
     pieces = defaults["pieces"] if pieces is None else pieces

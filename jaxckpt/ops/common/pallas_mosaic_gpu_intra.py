@@ -50,8 +50,18 @@ it; each keeps the first form selectable ("split", 1, "rows") for A/B runs (`ben
   for split or fp16 inverses and T in W, U split or rounded once to bf16, dominated by rounding beta exp(G) K,
   beta V and the outputs to bf16; hence one term of T for W, U in this mode (it also frees 8 KB of SMEM, below).
   Range: fp16 ends at 65504 and goes subnormal below 6e-5 (absolute error <= 2^-25). A's entries are
-  beta_i (k_i . k_j) exp(G_i - G_j), at most 1 for l2-normalized keys (GDN's) and beta <= 1, and the emulation's
-  max |T| is 1 (the diagonal); un-normalized keys with large beta can overflow it, and "split" is the way back.
+  beta_i (k_i . k_j) exp(G_i - G_j): at most beta_i for unit keys, but up to beta_i |k_i| |k_j| for raw ones, and
+  T's entries then scale with |k_j| / |k_i|, which fp16 cannot hold across keys of very different norms. So the
+  kernel inverts the similar matrix D (I + A) D^-1 with D = diag(d), d_i a power of two within sqrt(2) of |k_i|
+  (`tiles.key_scales`; 1 for keys of squared norm in [0.5, 2), so unit keys run exactly as before): its entries are
+  at most 2 beta_i |k_i|^2 whatever the norms, T = D^-1 T' D exactly (powers of two), and the kernel forms
+  W = D^-1 T' (D beta exp(G) K), U = D^-1 T' (D beta V) with D on the right-hand sides and D^-1 on the fp32
+  products. For beta_i |k_i|^2 <= 2 (every transition I - beta k k^T contractive: unit keys with beta in [0, 2],
+  the gated delta rule's range) the emulation's max |T'| stays near 1. Above 2 the recurrence itself expands
+  (eigenvalue 1 - beta |k|^2 < -1 along k), T' grows as (beta |k|^2 - 1)^63 over a chunk, and the fp16 levels
+  overflow once that passes 65504 (about beta |k|^2 > 2.4 for parallel keys), as the fp32 state itself does a few
+  chunks later. `tests/ops/test_pallas_mosaic_gpu_intra.py::test_raw_keys_of_any_norm` covers raw, near-parallel
+  keys over six decades of norm.
 - `inverse="blocked"` (16-bit I/O, one chunk per CTA; the default there since the H200 measured it: kernel 0.100 ->
   0.090 ms at T 8192, 0.361 -> 0.324 ms at 32768, H 16, outputs equal to "f16"'s against the Triton kernel to three
   digits, `bench/results/mosaic_gpu_intra_h200_blocked.log`): the chain shortened from 10 dependent products to 4. T_16, the inverses of the four 16 x 16 diagonal blocks, comes from

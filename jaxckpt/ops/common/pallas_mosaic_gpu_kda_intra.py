@@ -39,7 +39,8 @@ the SM to fill the gaps. This version:
 - An fp16 inverse (`inverse="f16"`; the "blocked" default keeps its merges): one wgmma and one stored term per doubling
   product instead of the split's three and two, a third of the inverse's tensor work and half its SMEM stores, all
   on the critical path. The argument and the numpy emulation are `pallas_mosaic_gpu_intra`'s (same doubling, same
-  bounds: l2-normalized keys and beta <= 1 keep every entry of A at most 1, and decays only shrink it): fp16 keeps
+  bounds, and the same similarity D (I + A) D^-1 for keys of any norm, d_i from |k_i|^2 summed in the first pass
+  over the slabs; decays only shrink A's entries): fp16 keeps
   11 significant bits, TF32's class, and the outputs do not see it (their error is the 16-bit rounding of the
   right-hand sides and of the outputs). `inverse="split"` keeps the (hi, lo) products (~2^-16 relative), the only
   choice for fp32 inputs.
