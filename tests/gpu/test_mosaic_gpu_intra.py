@@ -26,6 +26,9 @@ FIRST = dict(inverse="split", chunks_per_cta=1, landing="rows")  # the kernel's 
     ("bfloat16", 4, 1, 6e-3, dict(inverse="blocked")),
     ("bfloat16", 2, 2, 6e-3, dict(inverse="blocked", landing="rows")),
     ("float16", 4, 1, 2e-3, dict(inverse="blocked")),
+    # raw near-parallel keys over six (bf16) or three (fp16) decades of norm: the scaled inverse, on the tensor cores
+    ("bfloat16", 4, 1, 6e-3, dict(raw=(1e-3, 1e3))),
+    ("float16", 4, 1, 2e-3, dict(raw=(0.015, 60.0))),
 ])
 def test_real_shape_against_triton_and_float64(dtype, num_heads, group, tol, tuning):
     import jax
