@@ -39,8 +39,8 @@ the SM to fill the gaps. This version:
 - An fp16 inverse (`inverse="f16"`; the "blocked" default keeps its merges): one wgmma and one stored term per doubling
   product instead of the split's three and two, a third of the inverse's tensor work and half its SMEM stores, all
   on the critical path. The argument and the numpy emulation are `pallas_mosaic_gpu_intra`'s (same doubling, same
-  bounds, and the same similarity D (I + A) D^-1 for keys of any norm, d_i from |k_i|^2 summed in the first pass
-  over the slabs; decays only shrink A's entries): fp16 keeps
+  bounds, and the same similarity D (I + A) D^-1 for keys of any norm, d_i from |k_i|^2 summed after the score
+  phase; decays only shrink A's entries): fp16 keeps
   11 significant bits, TF32's class, and the outputs do not see it (their error is the 16-bit rounding of the
   right-hand sides and of the outputs). `inverse="split"` keeps the (hi, lo) products (~2^-16 relative), the only
   choice for fp32 inputs.
@@ -377,13 +377,12 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
     valid = tiles.iota(slab, 0) < length
     # rows past the chunk's length zeroed in place, once (every later read sees them); the diagonal of the query
     # scores (exp(0) = 1) on the way
-    diag = r2 = 0.0
+    diag = None
     for j in _slabs(land_k):
         q, k = (jnp.where(valid, plgpu.load(land.at[j], layout=_WG).astype(_F32), 0.0) for land in (land_q, land_k))
         land_q.at[j][...], land_k.at[j][...] = q.astype(land_q.dtype), k.astype(land_k.dtype)
-        diag, r2 = diag + jnp.sum(q * k, axis=1), r2 + jnp.sum(k * k, axis=1)
+        diag = jnp.sum(q * k, axis=1) if diag is None else diag + jnp.sum(q * k, axis=1)
     plgpu.commit_smem()
-    d, d_inv = tiles.key_scales(r2)
 
     sq = (CHUNK, CHUNK)
     kk, qk = _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s, shifted=shifted)
@@ -392,6 +391,10 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
     # score phase's SMEM (which the solve phase's tiles alias) is dead
     b_row = plgpu.load(b_s, layout=_ROWS)
     op_dtype = kb_s.dtype
+    # the key norms for the inverse's scaling (`tiles.key_scales`), summed here rather than before the scores so
+    # that nothing more stays live through the score phase
+    r2 = sum(jnp.sum(jnp.square(plgpu.load(land_k.at[j], layout=_WG).astype(_F32)), axis=1) for j in _slabs(land_k))
+    d, d_inv = tiles.key_scales(r2)
     kb = []
     for j in _slabs(land_k):
         G = plgpu.load(g_pieces.at[j], layout=_WG)
