@@ -78,7 +78,7 @@ def assert_matches(actual, expected, tol):
 @pytest.mark.parametrize("chunk_size, heads, head_k, head_v, layout, tuning", [
     (16, (1, 2), 16, 32, "kv", dict(fuse_output=True)),
     (64, (2, 4), 32, 16, "vk", dict()),
-    (32, (1, 2), 16, 16, "kv", dict(version=1)),
+    (32, (1, 2), 16, 16, "kv", dict()),
     (16, (1, 2), 16, 32, "vk", dict(checkpoint_pass="after")),
     (32, (2, 2), 32, 16, "kv", dict(checkpoint_pass="after", fuse_output=True, block_v=16)),
 ])
@@ -94,7 +94,7 @@ def test_gdn_matches_reference(chunk_size, heads, head_k, head_v, layout, tuning
 @pytest.mark.parametrize("chunk_size, head_k, head_v, layout, gate, tuning", [
     (32, 16, 32, "kv", "softplus", dict(fuse_output=True)),
     (64, 32, 16, "vk", "bounded", dict()),
-    (16, 16, 16, "kv", "softplus", dict(version=1)),
+    (16, 16, 16, "kv", "softplus", dict()),
     (16, 16, 32, "vk", "bounded", dict(checkpoint_pass="after")),
 ])
 def test_kda_matches_reference(chunk_size, head_k, head_v, layout, gate, tuning):
@@ -150,9 +150,6 @@ def test_supports_names_the_reason():
     assert "chunk_size" in gdn_pallas.supports(**inputs, chunk_size=128, interpret=True)
     assert "block_v" in gdn_pallas.supports(**inputs, interpret=True, block_v=48)
     assert "unknown" in gdn_pallas.supports(**inputs, interpret=True, num_warp=4)
-    assert "version" in gdn_pallas.supports(**inputs, interpret=True, version=3)
-    assert "fuse_output" in gdn_pallas.supports(**inputs, interpret=True, version=1, fuse_output=True)
-    assert "checkpoint_pass" in gdn_pallas.supports(**inputs, interpret=True, version=1, checkpoint_pass="after")
     odd = dict(inputs, v=jnp.zeros((8, 1, 24), jnp.float32))
     assert gdn_pallas.supports(**odd, interpret=True).startswith("V:")
     assert kda_pallas.supports(**inputs, interpret=True).startswith("g:")
@@ -161,7 +158,7 @@ def test_supports_names_the_reason():
 
 
 def test_diagonal_block_helpers_are_exact_under_strong_decays():
-    # the loop-free diagonal helpers of version 2, outside a kernel, against float64: decays down to e^-60 per token
+    # the loop-free diagonal helpers, outside a kernel, against float64: decays down to e^-60 per token
     # would overflow any single-reference factorisation, the split one keeps every factor <= 1
     rng = np.random.default_rng(47)
     sub, head_k = pallas_triton_delta.SUB, 32
