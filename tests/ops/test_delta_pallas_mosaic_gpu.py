@@ -220,7 +220,7 @@ def test_supports_names_the_reason():
     assert "chunk_size" in gdn_mosaic.supports(**inputs, chunk_size=32, interpret=True)
     assert "unknown" in gdn_mosaic.supports(**inputs, interpret=True, block_v=64)
     assert "intra" in gdn_mosaic.supports(**inputs, interpret=True, intra="pallas_mosaic_gpu")
-    assert "kda_intra" in gdn_mosaic.supports(**inputs, interpret=True, kda_intra="elementwise")
+    assert "kda_block_k" in gdn_mosaic.supports(**inputs, interpret=True, kda_block_k=48)
     fp32 = {name: x.astype(jnp.float32) for name, x in inputs.items()}
     assert "16-bit" in gdn_mosaic.supports(**fp32, interpret=True)
     narrow = dict(inputs, v=jnp.zeros((NUM_TOKENS, 2, 32), jnp.bfloat16))
@@ -228,7 +228,7 @@ def test_supports_names_the_reason():
     assert kda_mosaic.supports(**inputs, interpret=True).startswith("g:")
     with pytest.raises(ValueError, match="16-bit"):
         gdn_mosaic.gated_delta_rule(**fp32, interpret=True)
-    assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu", kda_intra="split").startswith("tuning:")
+    assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu", kda_block_k=32).startswith("tuning:")
     assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu") is None
     # intra_inverse reaches the Mosaic GPU intra kernels' `inverse` (and is checked there)
     assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu", intra_inverse="blocked") is None
