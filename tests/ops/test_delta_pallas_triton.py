@@ -1,6 +1,6 @@
 """The Pallas Triton GDN and KDA kernels, run in interpret mode on CPU, against the float64 token-by-token references;
 checkpoints leave outputs and final states bitwise unchanged; unsupported calls name their reason. KDA's intra pass
-(its options `kda_diag`, `kda_block_k`) under strong per-channel decays and on a few of the shared vectors.
+(and its `kda_block_k`) under strong per-channel decays and on a few of the shared vectors.
 
 Interpret mode evaluates every dot in fp32 (TF32 does not apply), so fp32 inputs land at rel-RMS ~1e-7 against the
 float64 references; FP32_TOL leaves two orders of magnitude of room.
@@ -177,7 +177,7 @@ def test_diagonal_block_helpers_are_exact_under_strong_decays():
     np.testing.assert_allclose(np.asarray(inverse), np.linalg.inv(np.eye(sub) + A), rtol=1e-5, atol=1e-5)
 
 
-# KDA's intra pass (`kda_diag`, `kda_block_k`):
+# KDA's intra pass (and `kda_block_k`):
 # rows of 0, 1, 36, 0 and 83 tokens plus padding, checkpoints at sub-chunk boundaries (16, 32, 48, 80), at the chunk
 # boundary 64, inside sub-chunks and at len - 1, then two padded CSR entries
 KDA_CHECKPOINT_CU = np.array([0, 0, 0, 3, 3, 9], np.int32)
@@ -223,11 +223,10 @@ def assert_finite_matches(actual, expected, tol):
 
 @pytest.mark.parametrize("chunk_size, head_k, head_v, layout, gate, tuning", [
     (64, 32, 32, "kv", "uniform5", dict()),
-    (64, 64, 32, "vk", "spikes", dict(kda_diag="pairs", kda_block_k=16)),
+    (64, 64, 32, "vk", "spikes", dict(kda_block_k=16)),
     (32, 32, 64, "kv", "lower_bound", dict(fuse_output=True)),
     (16, 32, 32, "kv", "softplus", dict(kda_block_k=16)),
     (64, 32, 32, "kv", "spikes", dict()),
-    (32, 32, 32, "vk", "uniform5", dict(kda_diag="pairs", fuse_output=True)),
 ])
 def test_kda_intra_matches_reference_under_strong_decays(chunk_size, head_k, head_v, layout, gate, tuning):
     rng = np.random.default_rng(53 + chunk_size + head_k)
@@ -251,8 +250,7 @@ def test_kda_bfloat16_intra():
 def test_kda_supports_names_bad_intra_options():
     rng = np.random.default_rng(67)
     inputs = {name: jnp.asarray(x) for name, x in make_inputs(rng, 8, 1, 1, 32, 64, per_channel=True).items()}
-    assert kda_pallas.supports(**inputs, interpret=True, kda_diag="pairs", kda_block_k=16) is None
-    assert "kda_diag" in kda_pallas.supports(**inputs, interpret=True, kda_diag="loop")
+    assert kda_pallas.supports(**inputs, interpret=True, kda_block_k=16) is None
     for bad in (8, 48, 64):  # below a tile, not a power of two, above min(K, V) = 32
         assert "kda_block_k" in kda_pallas.supports(**inputs, interpret=True, kda_block_k=bad)
 

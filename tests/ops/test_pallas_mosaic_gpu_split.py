@@ -382,7 +382,7 @@ def test_state_fused_declines():
     assert reason.startswith("tuning: state='fused' is the fused GDN pass") and "KDA" in reason, reason
     assert kda_mosaic.supports(q, q, v, jnp.zeros((T, 2, D), jnp.float32), beta, interpret=True, state="v2") is None
     gdn = lambda **tuning: gdn_mosaic.supports(q, q, v, beta, beta, **tuning)  # noqa: E731
-    for option in ({"intra": "mosaic_gpu"}, {"intra": "pallas_triton"}, {"kda_diag": "doubling"}):
+    for option in ({"intra": "mosaic_gpu"}, {"intra": "pallas_triton"}, {"kda_block_k": 32}):
         reason = gdn(interpret=True, state="fused", **option)
         assert reason.startswith("tuning:") and "state='fused' replaces" in reason, (option, reason)
     # off a GPU without the interpreter: the fused kernels' own reason comes through

@@ -102,11 +102,11 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 INTRA = ("pallas_triton", "mosaic_gpu")
 MAX_PIECES = 64  # the piece scan is unrolled, and N * pieces lanes sit on one grid axis
 STATES = ("v1", "v2", "fused")
-TUNING_KEYS = ("intra", "intra_num_warps", "num_stages", "kda_diag", "kda_block_k", "state", "pieces",
+TUNING_KEYS = ("intra", "intra_num_warps", "num_stages", "kda_block_k", "state", "pieces",
                "kda_score_parts", "state_terms", "intra_inverse")
-_INTRA_TUNING = ("intra_num_warps", "num_stages", "kda_diag", "kda_block_k")
+_INTRA_TUNING = ("intra_num_warps", "num_stages", "kda_block_k")
 # state "fused" forms the intra products itself (`gdn_kkt` and the lanes loop); the cumsum launch keeps its tuning
-_NOT_FUSED = ("intra", "kda_diag", "kda_block_k", "kda_score_parts", "intra_inverse")
+_NOT_FUSED = ("intra", "kda_block_k", "kda_score_parts", "intra_inverse")
 # the Mosaic GPU intra kernels' options as the op names them
 _MOSAIC_INTRA_TUNING = {"kda_score_parts": "score_parts", "intra_inverse": "inverse"}
 _F32 = jnp.float32
@@ -444,7 +444,7 @@ def state_pass(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False
 
 def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm=False, initial_state=None,
                       cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
-                      interpret=False, intra=None, intra_num_warps=4, num_stages=2, kda_diag="doubling",
+                      interpret=False, intra=None, intra_num_warps=4, num_stages=2,
                       kda_block_k=None, state=None, pieces=None, kda_score_parts=None,
                       state_terms=None, intra_inverse=None):
     """`pallas_triton_delta.delta_rule` with the Mosaic GPU state pass (module docstring); same arguments and results.
@@ -457,7 +457,7 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     cu_seqlens          # i32[N + 1]; None = one row over all T tokens
     checkpoint_cu       # i32[N + 1] with checkpoint_offsets i32[M]; both None = no checkpoints
     `intra`: the kernels producing w, u, kd, qg, aqk ("pallas_triton": `pallas_triton_delta.intra_v2`, tuned by
-    intra_num_warps, num_stages and, for KDA, kda_diag, kda_block_k as there; "mosaic_gpu": wgmma
+    intra_num_warps, num_stages and, for KDA, kda_block_k as there; "mosaic_gpu": wgmma
     kernels with the same layouts, `pallas_mosaic_gpu_intra.gdn_intra` / `pallas_mosaic_gpu_kda_intra.kda_intra`, the
     latter's `score_parts` as kda_score_parts: 2 feeds the score products as hi + lo pairs, and both kernels'
     `inverse` as intra_inverse: "f16", "split" or "blocked", None their default). `interpret`: True runs
@@ -527,7 +527,7 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
         else:
             w, u, kd, qg, aqk = triton_delta.intra_v2(p, per_channel_decay=per_channel_decay, chunk_size=chunk_size,
                                                       interpret=triton_interpret, intra_num_warps=intra_num_warps,
-                                                      num_stages=num_stages, kda_diag=kda_diag,
+                                                      num_stages=num_stages,
                                                       kda_block_k=kda_block_k)
         if state == "v1":
             o_chunks, final_state, checkpoint_states = state_pass(p, w, u, kd, qg, aqk, init,

@@ -34,10 +34,9 @@ An off-diagonal 16x16 block (i in sub-chunk I, j in sub-chunk J < I) is one tens
 and (k_j exp(G_r - G_j)), r the first row of sub-chunk I (both factors <= 1: G is non-increasing and i >= r > j); a
 diagonal block is exact: `_diag_block_scores` splits every strictly-lower pair into the (lower half, upper half)
 quadrant of one 2s-row block, s = 8, 4, 2, 1, and factorises there about the block's middle row, both factors <= 1
-again, so the scores are exact without a gate bound, at one exp and one dot per level (with `kda_diag="pairs"`, the
-direct per-pair form one key row at a time); the derivation is in `jaxckpt/ops/kda/README.md`. What a program
-holds decides the speed: a [16, K] x [K, 16] dot keeps both operands whole in every warp (64 + 64 fp32 registers
-per thread at K = 128), so the pass is two launches of small programs. Launch A (`_kda_scores_kernel`, grid
+again, so the scores are exact without a gate bound, at one exp and one dot per level; the derivation is in
+`jaxckpt/ops/kda/README.md`. What a program holds decides the speed: a [16, K] x [K, 16] dot keeps both operands
+whole in every warp (64 + 64 fp32 registers per thread at K = 128), so the pass is two launches of small programs. Launch A (`_kda_scores_kernel`, grid
 (chunk, head, sub-chunk I)) writes row block I of the beta-scaled key scores (fp32 [HV, NC, C, C]), the query
 scores, KD and QG, the K axis in column blocks of `kda_block_k` (default 32): 140 registers, no spills. Launch B
 (`_kda_solve_kernel`, grid (chunk, head)) reads the key scores and solves T, W, U row block by row block, every
@@ -84,9 +83,8 @@ SUB = 16
 MAX_HEAD_DIM = 256
 L2NORM_EPS = 1e-6
 TUNING_KEYS = ("num_warps", "num_stages", "block_v", "intra_num_warps", "output_block_v", "fuse_output",
-               "kda_diag", "kda_block_k", "checkpoint_pass")
+               "kda_block_k", "checkpoint_pass")
 CHECKPOINT_PASSES = ("in_loop", "after")
-KDA_DIAG = ("doubling", "pairs")
 _HIGHEST = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
 
@@ -115,9 +113,8 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
         bv = tuning.get(key)
         if bv is not None and (not _is_pow2(bv) or not SUB <= bv <= head_v):
             return f"tuning: {key} must be a power of two in [{SUB}, V={head_v}], got {bv!r}"
-    for key, allowed in (("kda_diag", KDA_DIAG), ("checkpoint_pass", CHECKPOINT_PASSES)):
-        if tuning.get(key, allowed[0]) not in allowed:
-            return f"tuning: {key} must be one of {allowed}, got {tuning[key]!r}"
+    if tuning.get("checkpoint_pass", "in_loop") not in CHECKPOINT_PASSES:
+        return f"tuning: checkpoint_pass must be one of {CHECKPOINT_PASSES}, got {tuning['checkpoint_pass']!r}"
     bk = tuning.get("kda_block_k")
     if bk is not None and (not _is_pow2(bk) or not SUB <= bk <= min(head_k, head_v)):
         return f"tuning: kda_block_k must be a power of two in [{SUB}, min(K, V)={min(head_k, head_v)}], got {bk!r}"
@@ -312,32 +309,14 @@ class _KdaChunk:
     def gates(self, J, cols):
         return self.G_ref[pl.ds(J * SUB, SUB), cols]
 
-    def key_row(self, row, cols):
-        valid = jnp.broadcast_to(row < self.length, (self.block_k,))
-        return plt.load(self.k_ref.at[self.start + row, self.hk, cols], mask=valid, other=0).astype(_F32)
 
-
-def _kda_diag_scores(chunk, I, cols, k_I, q_I, G_I, *, method, dots):
-    """Diagonal block I of the key and query scores over the columns `cols`, exact: (kk strictly lower, qk lower).
-
-    method "doubling": `_diag_block_scores` (4 levels, one exp of [SUB, BK] and two dots each); "pairs": the direct
-    per-pair form, one key row j at a time (16 steps of one exp of [SUB, BK] and two row sums, no dot).
-    """
+def _kda_diag_scores(chunk, I, cols, k_I, q_I, G_I, *, dots):
+    """Diagonal block I of the key and query scores over the columns `cols`, exact: (kk strictly lower, qk lower), by
+    `_diag_block_scores` (4 levels, one exp of [SUB, BK] and two dots each)."""
     rows = chunk.rows
-    diagonal = rows[:, None] == rows[None, :]
-    if method == "doubling":
-        G_rows = lambda idx: chunk.G_ref[I * SUB + idx, cols]
-        kk, qk = _diag_block_scores([k_I, q_I], k_I, G_I, G_rows, dots)
-        return kk, qk + jnp.where(diagonal, jnp.sum(q_I * k_I, axis=1)[:, None], 0.0)
-    kk = qk = jnp.zeros((SUB, SUB), _F32)
-    for j in range(SUB):
-        row = I * SUB + j
-        G_j = chunk.G_ref[row, cols][None, :]
-        k_j = chunk.key_row(row, cols)[None, :] * _exp(jnp.where((rows >= j)[:, None], G_I - G_j, -jnp.inf))
-        at_j = rows[None, :] == j
-        kk = jnp.where(at_j & (rows > j)[:, None], jnp.sum(k_I * k_j, axis=1)[:, None], kk)
-        qk = jnp.where(at_j, jnp.sum(q_I * k_j, axis=1)[:, None], qk)
-    return kk, qk
+    G_rows = lambda idx: chunk.G_ref[I * SUB + idx, cols]
+    kk, qk = _diag_block_scores([k_I, q_I], k_I, G_I, G_rows, dots)
+    return kk, qk + jnp.where(rows[:, None] == rows[None, :], jnp.sum(q_I * k_I, axis=1)[:, None], 0.0)
 
 
 def _kda_write_row_block(chunk, I, cols, k_I, q_I, G_I, kd_ref, qg_ref, *, last, scale):
@@ -378,7 +357,7 @@ def _kda_solve_row_block(chunk, I, A, T, w_ref, u_ref, *, head_k, head_v, dots):
 
 
 def _kda_scores_kernel(start_ref, len_ref, q_ref, k_ref, beta_ref, G_ref, akk_ref, aqk_ref, kd_ref, qg_ref, *, chunk,
-                       group, scale, block_k, diag, dots):
+                       group, scale, block_k, dots):
     """KDA's intra pass, launch A, grid (chunk, value head, row block I): its scores.
 
     Writes the beta-scaled key scores A_IJ (fp32, J <= I; the blocks above are never read), the query scores
@@ -398,7 +377,7 @@ def _kda_scores_kernel(start_ref, len_ref, q_ref, k_ref, beta_ref, G_ref, akk_re
         cols = pl.ds(kb * block_k, block_k)
         k_I, q_I, G_I = ck.key(I, cols), ck.query(I, cols), ck.gates(I, cols)
         _kda_write_row_block(ck, I, cols, k_I, q_I, G_I, kd_ref, qg_ref, last=chunk - 1, scale=scale)
-        kk, qk = _kda_diag_scores(ck, I, cols, k_I, q_I, G_I, method=diag, dots=dots)
+        kk, qk = _kda_diag_scores(ck, I, cols, k_I, q_I, G_I, dots=dots)
         return acc[0] + kk, acc[1] + qk
 
     kk, qk = columns(diag_step, (zeros, zeros))
@@ -714,7 +693,7 @@ def _chunk_block(chunk, width):
 
 
 def intra_v2(p: Prepared, *, per_channel_decay, chunk_size, interpret, intra_num_warps=4, num_stages=2,
-             kda_diag="doubling", kda_block_k=None):
+             kda_block_k=None):
     """The intra launch(es) of `delta_rule`: (w, u, kd, qg, aqk), chunk-major [HV, NC, C, K | V | C] in the io dtype."""
     head_k = p.q.shape[-1]
     num_v_heads, head_v = p.v.shape[1:]
@@ -731,7 +710,7 @@ def intra_v2(p: Prepared, *, per_channel_decay, chunk_size, interpret, intra_num
     kda_options = dict(chunk=chunk, group=group, block_k=kda_block_k or min(head_k, head_v, 32), dots=Dots(p.io_dtype))
     by_row_block = lambda c, h, i: (h, c, 0, 0)
     akk, aqk, kd, qg = pl.pallas_call(
-        functools.partial(_kda_scores_kernel, scale=p.scale, diag=kda_diag, **kda_options),
+        functools.partial(_kda_scores_kernel, scale=p.scale, **kda_options),
         out_shape=(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, chunk), _F32), chunk_array(chunk),
                    chunk_array(head_k), chunk_array(head_k)),
         grid=(num_chunks, num_v_heads, chunk // SUB),
@@ -753,7 +732,7 @@ def intra_v2(p: Prepared, *, per_channel_decay, chunk_size, interpret, intra_num
 def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm=False, initial_state=None,
                cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
                interpret=False, num_warps=4, num_stages=2, block_v=None, intra_num_warps=4, output_block_v=None,
-               fuse_output=False, kda_diag="doubling", kda_block_k=None, checkpoint_pass="in_loop"):
+               fuse_output=False, kda_block_k=None, checkpoint_pass="in_loop"):
     """The gated delta rule over packed varlen rows with checkpoint states, as four or five Pallas Triton launches.
 
     q, k                # [T, H, K]
@@ -766,8 +745,8 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     Inputs are checked by the op wrappers; metadata values are trusted. `scale` is a Python number (None: K^-1/2).
     Tuning: num_warps / num_stages (state and output kernels), intra_num_warps, block_v (state pass V tile,
     default min(V, 64)), output_block_v (output kernel V tile, default min(V, 64)), fuse_output (the state pass
-    writes O itself, three launches); KDA only: kda_diag ("doubling" default or "pairs": how the diagonal score
-    blocks are formed), kda_block_k (the intra pass's K / V column block, default min(K, V, 32)); checkpoint_pass
+    writes O itself, three launches); KDA only: kda_block_k (the intra pass's K / V column block, default
+    min(K, V, 32)); checkpoint_pass
     ("in_loop": the state pass exports inside its segmented loop; "after": one plain loop that stores the fp32 entry
     state of each checkpoint chunk by a masked store, the next checkpoint chunk carried one step ahead, and one
     small launch over the checkpoints finishes the export).
@@ -810,8 +789,7 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     bv = output_block_v
 
     w, u, kd, qg, aqk = intra_v2(p, per_channel_decay=channel, chunk_size=chunk, interpret=interpret,
-                                 intra_num_warps=intra_num_warps, num_stages=num_stages, kda_diag=kda_diag,
-                                 kda_block_k=kda_block_k)
+                                 intra_num_warps=intra_num_warps, num_stages=num_stages, kda_block_k=kda_block_k)
     after = num_ckpt > 0 and checkpoint_pass == "after"
     state_inputs = [p.cu_seqlens, lay.row_first_chunk, lay.row_num_chunks]
     if after:
