@@ -29,20 +29,20 @@ Four launches (five for KDA, whose intra pass is two), FLA-like (`chunk_gated_de
    +16% to +3%; the segmented loop stays the default until a profile confirms it.
 4. `_output_kernel`, grid (chunk, value head, V block): O = QG h + AQK v_new.
 
-KDA's intra pass (step 2). Per-channel decay makes every score a channel sum sum_c a_ic k_jc exp(G_ic - G_jc).
-An off-diagonal 16x16 block (i in sub-chunk I, j in sub-chunk J < I) is one tensor-core dot of (a_i exp(G_i - G_r))
-and (k_j exp(G_r - G_j)), r the first row of sub-chunk I (both factors <= 1: G is non-increasing and i >= r > j); a
+KDA's intra pass (step 2). Per-channel decay makes every score a channel sum sum_c a_ic k_jc exp(G_ic - G_jc). An
+off-diagonal 16x16 block (i in sub-chunk I, j in sub-chunk J < I) is one tensor-core dot of (a_i exp(G_i - G_r)) and
+(k_j exp(G_r - G_j)), r the first row of sub-chunk I (both factors <= 1: G is non-increasing and i >= r > j); a
 diagonal block is exact: `_diag_block_scores` splits every strictly-lower pair into the (lower half, upper half)
 quadrant of one 2s-row block, s = 8, 4, 2, 1, and factorises there about the block's middle row, both factors <= 1
 again, so the scores are exact without a gate bound, at one exp and one dot per level; the derivation is in
 `jaxckpt/ops/kda/README.md`. What a program holds decides the speed: a [16, K] x [K, 16] dot keeps both operands
-whole in every warp (64 + 64 fp32 registers per thread at K = 128), so the pass is two launches of small programs. Launch A (`_kda_scores_kernel`, grid
-(chunk, head, sub-chunk I)) writes row block I of the beta-scaled key scores (fp32 [HV, NC, C, C]), the query
-scores, KD and QG, the K axis in column blocks of `kda_block_k` (default 32): 140 registers, no spills. Launch B
-(`_kda_solve_kernel`, grid (chunk, head)) reads the key scores and solves T, W, U row block by row block, every
-[16, K]-sized operand loaded again where it is used (L1/L2 hits) instead of held: 200 registers, no spills. It
-costs one fp32 [C, C] round trip (16 KB) per chunk and head; one program per chunk holding every sub-chunk spilled
-(`bench/README.md`, "Variants measured and not taken").
+whole in every warp (64 + 64 fp32 registers per thread at K = 128), so the pass is two launches of small programs.
+Launch A (`_kda_scores_kernel`, grid (chunk, head, sub-chunk I)) writes row block I of the beta-scaled key scores
+(fp32 [HV, NC, C, C]), the query scores, KD and QG, the K axis in column blocks of `kda_block_k` (default 32): 140
+registers, no spills. Launch B (`_kda_solve_kernel`, grid (chunk, head)) reads the key scores and solves T, W, U row
+block by row block, every [16, K]-sized operand loaded again where it is used (L1/L2 hits) instead of held: 200
+registers, no spills. It costs one fp32 [C, C] round trip (16 KB) per chunk and head; one program per chunk holding
+every sub-chunk spilled (`bench/README.md`, "Variants measured and not taken").
 Exps in these kernels are exp2(x log2 e) (one MUFU.EX2; libdevice's expf, what jnp.exp lowers to, is about 8
 instructions).
 
