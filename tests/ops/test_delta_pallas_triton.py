@@ -78,7 +78,8 @@ def assert_matches(actual, expected, tol):
     (16, (1, 2), 16, 32, "kv", dict(fuse_output=True)),
     (64, (2, 4), 32, 16, "vk", dict()),
     (32, (1, 2), 16, 16, "kv", dict()),
-    (32, (2, 2), 32, 16, "kv", dict(fuse_output=True, block_v=16)),
+    (16, (1, 2), 16, 32, "vk", dict(checkpoint_pass="after")),
+    (32, (2, 2), 32, 16, "kv", dict(checkpoint_pass="after", fuse_output=True, block_v=16)),
 ])
 def test_gdn_matches_reference(chunk_size, heads, head_k, head_v, layout, tuning):
     rng = np.random.default_rng(11 + chunk_size)
@@ -93,6 +94,7 @@ def test_gdn_matches_reference(chunk_size, heads, head_k, head_v, layout, tuning
     (32, 16, 32, "kv", "softplus", dict(fuse_output=True)),
     (64, 32, 16, "vk", "bounded", dict()),
     (16, 16, 16, "kv", "softplus", dict()),
+    (16, 16, 32, "vk", "bounded", dict(checkpoint_pass="after")),
 ])
 def test_kda_matches_reference(chunk_size, head_k, head_v, layout, gate, tuning):
     rng = np.random.default_rng(23 + chunk_size)
@@ -113,7 +115,8 @@ def test_kda_matches_reference(chunk_size, head_k, head_v, layout, gate, tuning)
     (gdn_pallas.gated_delta_rule, False, dict()),
     (kda_pallas.kda, True, dict()),
     (gdn_pallas.gated_delta_rule, False, dict(fuse_output=True)),
-    (kda_pallas.kda, True, dict(fuse_output=True)),
+    (gdn_pallas.gated_delta_rule, False, dict(checkpoint_pass="after")),
+    (kda_pallas.kda, True, dict(checkpoint_pass="after", fuse_output=True)),
 ])
 def test_checkpoints_leave_outputs_bitwise_unchanged(op, per_channel, tuning):
     rng = np.random.default_rng(37 + per_channel)
