@@ -213,7 +213,7 @@ def main(argv=None):
     parser.add_argument("--ops", nargs="+", default=["gdn", "kda", "ssd"])
     parser.add_argument("--impls", nargs="+", default=["xla"],
                         help="implementation specs: 'default' (the call with no implementation and no tuning), "
-                             "xla, pallas_mosaic_gpu@intra=mosaic_gpu, pallas_triton@kda_intra=split, ...")
+                             "xla, pallas_mosaic_gpu@intra=mosaic_gpu, pallas_triton@block_v=32, ...")
     parser.add_argument("--peers", nargs="*", default=[], help="fla jla jla_chunked scan")
     parser.add_argument("--modes", nargs="+", default=MODES)
     parser.add_argument("--impl-modes", nargs="*", default=[],

@@ -4,8 +4,8 @@
 table) and `<name>_timing.json` / `.md` (Recorder schema) under $OUT, else bench/results. Under 5 minutes on one H200.
 
 Parity: GDN, KDA (K = V = 128, H = 2, HV = 4, varlen rows with 1-token and checkpoint-free rows) and SSD (H = 8,
-P = 64, N = 128, G = 2) through jaxckpt (xla, pallas_triton, pallas_mosaic_gpu: its defaults, version 1 and
-options, `MOSAIC_GPU_ROWS`), torch_bridge (FLA split, FLA KDA intermediate states, the Triton SSD at ieee and
+P = 64, N = 128, G = 2) through jaxckpt (xla, pallas_triton, pallas_mosaic_gpu: its defaults and options,
+`MOSAIC_GPU_ROWS`), torch_bridge (FLA split, FLA KDA intermediate states, the Triton SSD at ieee and
 tf32 dots, the DLPack bridge onto jaxckpt's xla path) against the float64 reference run on exactly the bf16-rounded
 inputs; rel-RMS of the output, the final states and every checkpoint on its own. KDA offsets lie on the 64 grid so
 the native path sees the same checkpoints. A failing path is recorded with its error.
@@ -101,13 +101,13 @@ def attempt(results, op, path, run, expected, ccu, offsets):
         print(f"  {op:<4} {path:<32} FAILED {type(error).__name__}", flush=True)
 
 
-# the Mosaic GPU backend's defaults (`pallas_mosaic_gpu_delta.default_tuning`), its first version and its options
+# the Mosaic GPU backend's defaults (`pallas_mosaic_gpu_delta.default_tuning`) and its options
 MOSAIC_GPU_ROWS = {
-    "gdn": ("pallas_mosaic_gpu", "pallas_mosaic_gpu@state=v1,intra=pallas_triton",
-            "pallas_mosaic_gpu@state=v1,intra=mosaic_gpu", "pallas_mosaic_gpu@state=fused",
+    "gdn": ("pallas_mosaic_gpu", "pallas_mosaic_gpu@state_terms=2,intra=pallas_triton",
+            "pallas_mosaic_gpu@state_terms=2,intra=mosaic_gpu", "pallas_mosaic_gpu@state=fused",
             "pallas_mosaic_gpu@state=fused,pieces=2", "pallas_mosaic_gpu@state_terms=1",
             "pallas_mosaic_gpu@state=fused,state_terms=1"),
-    "kda": ("pallas_mosaic_gpu", "pallas_mosaic_gpu@state=v1,intra=pallas_triton",
+    "kda": ("pallas_mosaic_gpu", "pallas_mosaic_gpu@state_terms=2,intra=pallas_triton",
             "pallas_mosaic_gpu@intra=mosaic_gpu", "pallas_mosaic_gpu@intra=mosaic_gpu,kda_score_parts=2",
             "pallas_mosaic_gpu@state_terms=1", "pallas_mosaic_gpu@intra=mosaic_gpu,kda_score_parts=2,state_terms=1"),
 }

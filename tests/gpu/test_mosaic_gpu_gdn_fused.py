@@ -1,5 +1,5 @@
 """The fused GDN pass (`pallas_mosaic_gpu_gdn_fused`) on an H100/H200 at real sizes: against float64 and against the
-unfused Mosaic GPU pipeline (`gdn_intra` + `pallas_mosaic_gpu_delta.state_pass`), whose error it must not exceed;
+unfused Mosaic GPU pipeline (`gdn_intra` + `pallas_mosaic_gpu_state.state_pass_v2`), whose error it must not exceed;
 varlen rows off the 8-row TMA grid with NaN padding; map_mode consistent with the plain lanes. This is where the
 tensor-core rounding, the register-A wgmma path and the TMA addressing are checked (the CPU interpreter sees none
 of them: tests/ops/test_pallas_mosaic_gpu_gdn_fused.py).
@@ -45,13 +45,14 @@ def make_case(seed, lengths, offsets, *, heads, group, padding=0, mild=False):
 
 def run(pipeline, x, meta, init, kkt_inverse="f16"):
     """(o of the real tokens, final states, checkpoints) of "fused" (`gdn_fused_pass`, `gdn_kkt` with kkt_inverse) or
-    "unfused" (`gdn_intra` + `pallas_mosaic_gpu_delta.state_pass`) from `prepare`, on the GPU."""
+    "unfused" (`gdn_intra` + `pallas_mosaic_gpu_state.state_pass_v2`) from `prepare`, on the GPU; o in token order,
+    its padding tokens exactly zero."""
     import jax
     import jax.numpy as jnp
 
-    from jaxckpt.ops.common import pallas_mosaic_gpu_delta as mgd
     from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as fused
     from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mgi
+    from jaxckpt.ops.common import pallas_mosaic_gpu_state as mgs
     from jaxckpt.ops.common import pallas_triton_delta as triton_delta
 
     cu, ck_cu, ck_off = (jnp.asarray(meta[name]) for name in ("cu_seqlens", "checkpoint_cu", "checkpoint_offsets"))
@@ -63,17 +64,15 @@ def run(pipeline, x, meta, init, kkt_inverse="f16"):
                                  chunk_size=64, interpret=False)
         lay = p.lay
         if pipeline == "fused":
-            o, final, ckpts = fused.gdn_fused_pass(p, init, kkt_inverse=kkt_inverse)  # token order, padding zero
+            o, final, ckpts = fused.gdn_fused_pass(p, init, kkt_inverse=kkt_inverse)
         else:
             tiles = mgi.gdn_intra(lay.chunk_start, lay.chunk_len, p.q, p.k, p.v, p.beta, p.G, chunk=64,
                                   group=p.v.shape[1] // p.q.shape[1], scale=p.scale)
-            o_chunks, final, ckpts = mgd.state_pass(p, *tiles, init, per_channel_decay=False)  # chunk-major
-            o = o_chunks.reshape(-1, *o_chunks.shape[2:])[lay.token_chunk * 64 + lay.token_pos]
+            o, final, ckpts = mgs.state_pass_v2(p, *tiles, init, per_channel_decay=False)
         return o.astype(jnp.float32), final, ckpts[:lay.checkpoint_pos.shape[0]], lay.token_valid, lay.checkpoint_valid
 
     o, final, ckpts, token_valid, checkpoint_valid = jax.device_get(call(x, jnp.asarray(init)))
-    if pipeline == "fused":
-        np.testing.assert_array_equal(o[~token_valid], 0, err_msg="padding tokens")
+    np.testing.assert_array_equal(o[~token_valid], 0, err_msg="padding tokens")
     return [o[token_valid], final, ckpts[checkpoint_valid]]
 
 

@@ -4,8 +4,6 @@ Triton intra passes the Mosaic GPU kernels are compared with."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 OUTPUTS = ("w", "u", "kd", "qg", "aqk")
@@ -75,51 +73,27 @@ def layout(cu_seqlens, num_tokens, chunk=CHUNK):
 
 
 def gate_cumsum(chunk_start, chunk_len, g, *, chunk=CHUNK, interpret=False):
-    """G = fp32 [HV, NC, C], the Triton `_cumsum_kernel` launch of `delta_rule`."""
-    import jax
+    """G = fp32 [HV, NC, C], the Triton gate cumsum launch of `delta_rule`."""
     import jax.numpy as jnp
-    from jax.experimental import pallas as pl
 
     from jaxckpt.ops.common import pallas_triton_delta as ptd
 
-    num_chunks, num_v_heads = chunk_start.shape[0], g.shape[1]
-    full = pl.BlockSpec()
-    return pl.pallas_call(
-        functools.partial(ptd._cumsum_kernel, chunk=chunk, channel=False),
-        out_shape=jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk), jnp.float32),
-        grid=(num_chunks, num_v_heads), in_specs=[full, full, full],
-        out_specs=pl.BlockSpec((None, None, chunk), lambda c, h: (h, c, 0)), interpret=interpret,
-    )(chunk_start, chunk_len, g.astype(jnp.float32))
+    return ptd.gate_cumsum(chunk_start, chunk_len, g.astype(jnp.float32), per_channel_decay=False, chunk=chunk,
+                           interpret=interpret)
 
 
 def triton_intra(chunk_start, chunk_len, q, k, v, beta, G, *, group, scale, chunk=CHUNK, interpret=False,
                  num_warps=4):
-    """(w, u, kd, qg, aqk) of the Triton `_intra_kernel_v2` launch, with `delta_rule`'s arguments for GDN."""
-    import jax
+    """(w, u, kd, qg, aqk) of the Triton GDN intra launch (`pallas_triton_delta.gdn_intra`), q and k cast to the
+    I/O dtype as `delta_rule` casts them."""
     import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plt
 
     from jaxckpt.ops.common import pallas_triton_delta as ptd
-    from jaxckpt.ops.common.pallas_triton_tiles import Dots
 
     io_dtype = jnp.promote_types(k.dtype, v.dtype)
     io_dtype = jnp.float32 if io_dtype.itemsize >= 4 else io_dtype
-    q, k = q.astype(io_dtype), k.astype(io_dtype)
-    num_chunks = chunk_start.shape[0]
-    num_v_heads = v.shape[1]
-    widths = (k.shape[-1], v.shape[-1], k.shape[-1], k.shape[-1], chunk)
-    full = pl.BlockSpec()
-    block = lambda width: pl.BlockSpec((None, None, chunk, width), lambda c, h: (h, c, 0, 0))  # noqa: E731
-    return pl.pallas_call(
-        functools.partial(ptd._intra_kernel_v2, chunk=chunk, group=group, channel=False, scale=float(scale),
-                          dots=Dots(io_dtype)),
-        out_shape=tuple(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, w), io_dtype) for w in widths),
-        grid=(num_chunks, num_v_heads), in_specs=[full] * 6 + [pl.BlockSpec((None, None, chunk),
-                                                                            lambda c, h: (h, c, 0))],
-        out_specs=tuple(block(w) for w in widths),
-        compiler_params=plt.CompilerParams(num_warps=num_warps), interpret=interpret, name="delta_intra",
-    )(chunk_start, chunk_len, q, k, v, beta, G)
+    return ptd.gdn_intra(chunk_start, chunk_len, q.astype(io_dtype), k.astype(io_dtype), v, beta, G, chunk=chunk,
+                         group=group, scale=float(scale), interpret=interpret, num_warps=num_warps)
 
 
 def prepared(x, cu_seqlens, dtype, *, interpret=False):

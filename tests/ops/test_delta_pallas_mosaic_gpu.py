@@ -80,13 +80,14 @@ def poisoned(inputs):
     return out
 
 
-# this file checks the version 1 state pass (the Mosaic GPU entries' defaults are the lanes pass, `default_tuning`)
-VERSION_1 = dict(state="v1", intra="pallas_triton")
+# the lanes state pass on the Triton intra pass's intermediates with hi + lo products on the state chain, so it agrees
+# with the Triton pipeline to AGREE_TOL (the defaults, one term per product, `default_tuning`, are tested below)
+HI_LO = dict(intra="pallas_triton", state_terms=2)
 
 
 def run(op, inputs, options, interpret=True, **extra):
     if op in (gdn_mosaic.gated_delta_rule, kda_mosaic.kda):
-        extra = {**VERSION_1, **extra}
+        extra = {**HI_LO, **extra}
     arrays = {name: jnp.asarray(x) for name, x in inputs.items()}
     options = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in {**options, **extra}.items()}
     return [np.asarray(x.astype(jnp.float32)) for x in op(**arrays, **options, interpret=interpret)]
@@ -158,7 +159,7 @@ def test_gdn_rows_off_the_tile_grid(checkpoints):
     # tile grid; partial last chunks; a 1-token row in between), NaN padding, checkpoints (100: 1, 64, 99; 83: 64,
     # 82) or none, against the Triton pipeline and float64, token by token. The interpreter copies misaligned TMA
     # tiles whole, so it could not show the GPU dropping their rows (`pallas_mosaic_gpu_delta` docstring, "TMA
-    # addresses"); it checks that the chunk-major O and checkpoint keys reach every token of these rows
+    # addresses"); it checks that O and the checkpoint keys reach every token of these rows
     rng = np.random.default_rng(89)
     T, D = 194, HEAD_DIM
     cu = np.array([0, 100, 101, 184], np.int32)
@@ -220,7 +221,7 @@ def test_supports_names_the_reason():
     assert "chunk_size" in gdn_mosaic.supports(**inputs, chunk_size=32, interpret=True)
     assert "unknown" in gdn_mosaic.supports(**inputs, interpret=True, block_v=64)
     assert "intra" in gdn_mosaic.supports(**inputs, interpret=True, intra="pallas_mosaic_gpu")
-    assert "kda_intra" in gdn_mosaic.supports(**inputs, interpret=True, kda_intra="elementwise")
+    assert "kda_block_k" in gdn_mosaic.supports(**inputs, interpret=True, kda_block_k=48)
     fp32 = {name: x.astype(jnp.float32) for name, x in inputs.items()}
     assert "16-bit" in gdn_mosaic.supports(**fp32, interpret=True)
     narrow = dict(inputs, v=jnp.zeros((NUM_TOKENS, 2, 32), jnp.bfloat16))
@@ -228,7 +229,7 @@ def test_supports_names_the_reason():
     assert kda_mosaic.supports(**inputs, interpret=True).startswith("g:")
     with pytest.raises(ValueError, match="16-bit"):
         gdn_mosaic.gated_delta_rule(**fp32, interpret=True)
-    assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu", kda_intra="split").startswith("tuning:")
+    assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu", kda_block_k=32).startswith("tuning:")
     assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu") is None
     # intra_inverse reaches the Mosaic GPU intra kernels' `inverse` (and is checked there)
     assert gdn_mosaic.supports(**inputs, interpret=True, intra="mosaic_gpu", intra_inverse="blocked") is None
@@ -262,7 +263,7 @@ def test_supports_sizes_the_launch_grids_from_the_rows():
     assert call(T, 6, state="fused").startswith("state pass (fused): G: 65536 chunks")  # `gdn_kkt`'s grid
     assert call(256, 2000, pieces=32) is None
     assert "128000 lanes" in call(256, 2000, pieces=64)
-    assert "70000 lanes" in call(256, 70000, state="v1")
+    assert "70000 lanes" in call(256, 70000, pieces=1)
     assert call(256, 0).startswith("cu_seqlens:")
     # the entry has the rows even where `supports` was asked without them
     entry = lambda x, gate, cu: mosaic_delta.delta_rule_mosaic(  # noqa: E731
@@ -278,8 +279,6 @@ def test_defaults_run_the_lanes_pass_against_float64():
                                                                         state_terms=1)
     assert mosaic_delta.default_tuning(per_channel_decay=True) == dict(intra="mosaic_gpu", state="v2", pieces="auto",
                                                                        state_terms=1)
-    assert mosaic_delta.default_tuning(per_channel_decay=False, state="v1") == dict(
-        intra="mosaic_gpu", state="v1", pieces=1, state_terms=2)
     inputs, options = make_case(np.random.default_rng(), per_channel=False, layout="kv")
     arrays = {name: jnp.asarray(x) for name, x in poisoned(inputs).items()}
     given = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
@@ -335,7 +334,6 @@ def test_state_terms_is_checked():
     inputs = {name: jnp.asarray(x) for name, x in inputs.items()}
     assert gdn_mosaic.supports(**inputs, interpret=True, state_terms=1) is None
     assert "state_terms must be 1 or 2" in gdn_mosaic.supports(**inputs, interpret=True, state_terms=3)
-    assert "state_terms=1 needs" in gdn_mosaic.supports(**inputs, interpret=True, state="v1", state_terms=1)
     with pytest.raises(ValueError, match="state_terms must be 1 or 2"):
         mosaic_delta.delta_rule_mosaic(**inputs, per_channel_decay=False, interpret=True, state_terms=True)
 

@@ -1,7 +1,6 @@
 """The Pallas Triton GDN and KDA kernels, run in interpret mode on CPU, against the float64 token-by-token references;
-checkpoints leave outputs and final states bitwise unchanged; unsupported calls name their reason. KDA's intra-pass
-variants (`kda_intra`, `kda_diag`, `kda_block_k`) under strong per-channel decays, and the "split" one (the default) on a few of
-the shared vectors.
+checkpoints leave outputs and final states bitwise unchanged; unsupported calls name their reason. KDA's intra pass
+(and its `kda_block_k`) under strong per-channel decays and on a few of the shared vectors.
 
 Interpret mode evaluates every dot in fp32 (TF32 does not apply), so fp32 inputs land at rel-RMS ~1e-7 against the
 float64 references; FP32_TOL leaves two orders of magnitude of room.
@@ -78,7 +77,7 @@ def assert_matches(actual, expected, tol):
 @pytest.mark.parametrize("chunk_size, heads, head_k, head_v, layout, tuning", [
     (16, (1, 2), 16, 32, "kv", dict(fuse_output=True)),
     (64, (2, 4), 32, 16, "vk", dict()),
-    (32, (1, 2), 16, 16, "kv", dict(version=1)),
+    (32, (1, 2), 16, 16, "kv", dict()),
     (16, (1, 2), 16, 32, "vk", dict(checkpoint_pass="after")),
     (32, (2, 2), 32, 16, "kv", dict(checkpoint_pass="after", fuse_output=True, block_v=16)),
 ])
@@ -94,7 +93,7 @@ def test_gdn_matches_reference(chunk_size, heads, head_k, head_v, layout, tuning
 @pytest.mark.parametrize("chunk_size, head_k, head_v, layout, gate, tuning", [
     (32, 16, 32, "kv", "softplus", dict(fuse_output=True)),
     (64, 32, 16, "vk", "bounded", dict()),
-    (16, 16, 16, "kv", "softplus", dict(version=1)),
+    (16, 16, 16, "kv", "softplus", dict()),
     (16, 16, 32, "vk", "bounded", dict(checkpoint_pass="after")),
 ])
 def test_kda_matches_reference(chunk_size, head_k, head_v, layout, gate, tuning):
@@ -150,9 +149,6 @@ def test_supports_names_the_reason():
     assert "chunk_size" in gdn_pallas.supports(**inputs, chunk_size=128, interpret=True)
     assert "block_v" in gdn_pallas.supports(**inputs, interpret=True, block_v=48)
     assert "unknown" in gdn_pallas.supports(**inputs, interpret=True, num_warp=4)
-    assert "version" in gdn_pallas.supports(**inputs, interpret=True, version=3)
-    assert "fuse_output" in gdn_pallas.supports(**inputs, interpret=True, version=1, fuse_output=True)
-    assert "checkpoint_pass" in gdn_pallas.supports(**inputs, interpret=True, version=1, checkpoint_pass="after")
     odd = dict(inputs, v=jnp.zeros((8, 1, 24), jnp.float32))
     assert gdn_pallas.supports(**odd, interpret=True).startswith("V:")
     assert kda_pallas.supports(**inputs, interpret=True).startswith("g:")
@@ -161,7 +157,7 @@ def test_supports_names_the_reason():
 
 
 def test_diagonal_block_helpers_are_exact_under_strong_decays():
-    # the loop-free diagonal helpers of version 2, outside a kernel, against float64: decays down to e^-60 per token
+    # the loop-free diagonal helpers, outside a kernel, against float64: decays down to e^-60 per token
     # would overflow any single-reference factorisation, the split one keeps every factor <= 1
     rng = np.random.default_rng(47)
     sub, head_k = pallas_triton_delta.SUB, 32
@@ -181,7 +177,7 @@ def test_diagonal_block_helpers_are_exact_under_strong_decays():
     np.testing.assert_allclose(np.asarray(inverse), np.linalg.inv(np.eye(sub) + A), rtol=1e-5, atol=1e-5)
 
 
-# KDA's intra-pass variants (`kda_intra` "split" (default) / "resident" / "streamed", `kda_diag`, `kda_block_k`):
+# KDA's intra pass (and `kda_block_k`):
 # rows of 0, 1, 36, 0 and 83 tokens plus padding, checkpoints at sub-chunk boundaries (16, 32, 48, 80), at the chunk
 # boundary 64, inside sub-chunks and at len - 1, then two padded CSR entries
 KDA_CHECKPOINT_CU = np.array([0, 0, 0, 3, 3, 9], np.int32)
@@ -226,15 +222,13 @@ def assert_finite_matches(actual, expected, tol):
 
 
 @pytest.mark.parametrize("chunk_size, head_k, head_v, layout, gate, tuning", [
-    (64, 32, 32, "kv", "uniform5", dict(kda_intra="split")),
-    (64, 64, 32, "vk", "spikes", dict(kda_intra="split", kda_diag="pairs", kda_block_k=16)),
-    (32, 32, 64, "kv", "lower_bound", dict(kda_intra="split", fuse_output=True)),
-    (16, 32, 32, "kv", "softplus", dict(kda_intra="split", kda_block_k=16)),
+    (64, 32, 32, "kv", "uniform5", dict()),
+    (64, 64, 32, "vk", "spikes", dict(kda_block_k=16)),
+    (32, 32, 64, "kv", "lower_bound", dict(fuse_output=True)),
+    (16, 32, 32, "kv", "softplus", dict(kda_block_k=16)),
     (64, 32, 32, "kv", "spikes", dict()),
-    (64, 64, 32, "kv", "spikes", dict(kda_intra="streamed")),
-    (32, 32, 32, "vk", "uniform5", dict(kda_intra="streamed", kda_diag="pairs", fuse_output=True)),
 ])
-def test_kda_intra_variants_match_reference_under_strong_decays(chunk_size, head_k, head_v, layout, gate, tuning):
+def test_kda_intra_matches_reference_under_strong_decays(chunk_size, head_k, head_v, layout, gate, tuning):
     rng = np.random.default_rng(53 + chunk_size + head_k)
     inputs, gate_options = strong_kda_inputs(rng, gate, head_k, head_v)
     options = dict(kda_varlen_options(rng, head_k, head_v, layout), **gate_options)
@@ -242,24 +236,13 @@ def test_kda_intra_variants_match_reference_under_strong_decays(chunk_size, head
     assert_finite_matches(actual, kda_reference.kda(**inputs, **options), FP32_TOL)
 
 
-def test_kda_split_intra_agrees_with_the_resident_kernel():
-    # the same algebra in another order: agreement far below the tolerance against the reference
-    rng = np.random.default_rng(59)
-    inputs, gate_options = strong_kda_inputs(rng, "spikes", 64, 32)
-    options = dict(kda_varlen_options(rng, 64, 32, "kv"), **gate_options, chunk_size=32)
-    resident = run(kda_pallas.kda, inputs, **options, kda_intra="resident")
-    split = run(kda_pallas.kda, inputs, **options, kda_intra="split")
-    for name, a, e in zip(("o", "final_state", "checkpoint_states"), split, resident):
-        assert rel_rms(a, e) <= 1e-6, (name, rel_rms(a, e))
-
-
-def test_kda_bfloat16_split_intra():
+def test_kda_bfloat16_intra():
     rng = np.random.default_rng(61)
     inputs, gate_options = strong_kda_inputs(rng, "lower_bound", 32, 32)
     for name in ("q", "k", "v"):
         inputs[name] = inputs[name].astype(ml_dtypes.bfloat16)
     options = dict(kda_varlen_options(rng, 32, 32, "kv"), **gate_options)
-    actual = run(kda_pallas.kda, inputs, **options, chunk_size=64, kda_intra="split")
+    actual = run(kda_pallas.kda, inputs, **options, chunk_size=64)
     assert actual[0].dtype == jnp.bfloat16 and actual[1].dtype == np.float32
     assert_finite_matches(actual, kda_reference.kda(**inputs, **options), BF16_TOL)
 
@@ -267,24 +250,21 @@ def test_kda_bfloat16_split_intra():
 def test_kda_supports_names_bad_intra_options():
     rng = np.random.default_rng(67)
     inputs = {name: jnp.asarray(x) for name, x in make_inputs(rng, 8, 1, 1, 32, 64, per_channel=True).items()}
-    assert kda_pallas.supports(**inputs, interpret=True, kda_intra="streamed", kda_diag="pairs",
-                               kda_block_k=16) is None
-    assert "kda_intra" in kda_pallas.supports(**inputs, interpret=True, kda_intra="elementwise")
-    assert "kda_diag" in kda_pallas.supports(**inputs, interpret=True, kda_diag="loop")
+    assert kda_pallas.supports(**inputs, interpret=True, kda_block_k=16) is None
     for bad in (8, 48, 64):  # below a tile, not a power of two, above min(K, V) = 32
         assert "kda_block_k" in kda_pallas.supports(**inputs, interpret=True, kda_block_k=bad)
 
 
 # the shared vectors' strong-decay, chunk-edge and bf16 safe-gate KDA cases (interpret mode compiles every shape anew,
-# ~5 s each; all 11 cases pass, with every `kda_intra`)
+# ~5 s each; all 11 cases pass)
 KDA_VECTOR_CASES = ("tiny_rows_fused_gate", "chunk_edges_log_gate", "lower_bound_gate", "bf16_lower_bound_vk")
 
 
 @pytest.mark.parametrize("name", KDA_VECTOR_CASES)
-def test_kda_split_intra_matches_shared_vectors(name):
+def test_kda_intra_matches_shared_vectors(name):
     from tests.vectors.loader import check_case, load_case
 
     case = load_case("kda", name)
     args = case.arguments
     assert kda_pallas.supports(*(args[arg] for arg in ("q", "k", "v", "g", "beta")), interpret=True) is None
-    check_case(case, [np.asarray(x) for x in kda_pallas.kda(**args, interpret=True, kda_intra="split")])
+    check_case(case, [np.asarray(x) for x in kda_pallas.kda(**args, interpret=True)])

@@ -1,6 +1,6 @@
 """The fused GDN pass (`pallas_mosaic_gpu_gdn_fused`: `gdn_kkt`, `gdn_fused_lanes`, `gdn_fused_pass`) under Mosaic GPU's
 CPU interpreter: against the float64 token-by-token reference (`jaxckpt.ops.gdn.reference`), against the unfused
-Mosaic GPU pipeline (`gdn_intra` + `pallas_mosaic_gpu_delta.state_pass`) on the same `prepare`, map_mode against a
+Mosaic GPU pipeline (`gdn_intra` + `pallas_mosaic_gpu_state.state_pass_v2`) on the same `prepare`, map_mode against a
 float64 numpy product of the chunk maps, the race detector on one case, and the sm_90 lowering through `jax.export`.
 
 Fresh random inputs every run (the seed is in every failure message); K = V = 64, one key head, two value heads.
@@ -19,9 +19,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 # no public accessor in jax 0.11.2 for the race detector's verdict
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
-from jaxckpt.ops.common import pallas_mosaic_gpu_delta as mgd
 from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as fused
 from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mgi
+from jaxckpt.ops.common import pallas_mosaic_gpu_state as mgs
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
 from jaxckpt.ops.gdn.reference import gated_delta_rule as gdn_reference
 
@@ -75,14 +75,11 @@ def prepared(x):
 
 
 def tokens(p, o, final, ckpts):
-    """(o of the real tokens [T_real, HV, V], final, real checkpoints) from a state pass's result: o in token order
-    (the fused pass, whose padding tokens must be exactly zero) or chunk-major (version 1, gathered here)."""
+    """(o of the real tokens [T_real, HV, V], final, real checkpoints) from a state pass's result, o in token order
+    with its padding tokens exactly zero."""
     lay = p.lay
     o = np.asarray(jnp.asarray(o, jnp.float32))
-    if o.ndim == 4:
-        o = o[np.asarray(lay.token_chunk), np.asarray(lay.token_pos)]
-    else:
-        np.testing.assert_array_equal(o[~np.asarray(lay.token_valid)], 0, err_msg="padding tokens")
+    np.testing.assert_array_equal(o[~np.asarray(lay.token_valid)], 0, err_msg="padding tokens")
     return (o[np.asarray(lay.token_valid)], np.asarray(final),
             np.asarray(ckpts)[:CHECKPOINT_OFFSETS.size][np.asarray(lay.checkpoint_valid)[:CHECKPOINT_OFFSETS.size]])
 
@@ -110,7 +107,7 @@ def test_pass_against_float64_and_unfused_pipeline():
     check(seed, got, reference(x, init), REF_TOL)
     tiles = mgi.gdn_intra(p.lay.chunk_start, p.lay.chunk_len, p.q, p.k, p.v, p.beta, p.G, chunk=C, group=2,
                           scale=p.scale, interpret=True)
-    unfused = tokens(p, *mgd.state_pass(p, *tiles, init, per_channel_decay=False, interpret=True))
+    unfused = tokens(p, *mgs.state_pass_v2(p, *tiles, init, per_channel_decay=False, interpret=True))
     check(seed, got, unfused, AGREE_TOL)
     # the empty row keeps its start state exactly
     np.testing.assert_array_equal(got[1][1], np.asarray(init)[1])

@@ -1,7 +1,7 @@
-"""Version 2 of the Mosaic GPU state pass (`pallas_mosaic_gpu_state.state_lanes`, `state_pass_v2`) under Mosaic GPU's
-CPU interpreter, against a float64 numpy implementation of the contract (written from its docstring, independent of
-the kernels) and against version 1 (`pallas_mosaic_gpu_delta.state_pass`) on the same pipeline intermediates; the
-sm_90 lowering of every variant through `jax.export`.
+"""The Mosaic GPU state pass (`pallas_mosaic_gpu_state.state_lanes`, `state_pass_v2`) under Mosaic GPU's CPU
+interpreter, against a float64 numpy implementation of the contract (written from its docstring, independent of the
+kernels), on random tiles and on the pipeline's own intermediates; the sm_90 lowering of every variant through
+`jax.export`.
 
 Fresh random 16-bit tiles every run (the seed is in every failure message). The interpreter's wgmma multiplies the
 16-bit tiles in fp32, exactly, so the hi + lo state products are exact here and the bounds below are set by the
@@ -25,7 +25,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 # no public accessor in jax 0.11.2 for the race detector's verdict
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
-from jaxckpt.ops.common import pallas_mosaic_gpu_delta as mgd
 from jaxckpt.ops.common import pallas_mosaic_gpu_state as mgs
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
 
@@ -34,7 +33,6 @@ pytestmark = pytest.mark.interpret
 C = 64
 STATE_TOL = 2e-5   # rel-RMS of end states and checkpoints (hi + lo products)
 O_TOL = 6e-3       # rel-RMS of O (high halves, bf16 output)
-AGREE_TOL = {"o": 2e-4, "final": 1e-5, "checkpoints": 1e-5}  # version 2 vs version 1, same intermediates
 
 # 7 chunks: lane 0 walks chunks 0-1 from a start state, lane 1 walks 3-5 (5 partial: 40 tokens) from a start state,
 # lane 2 has none (end = start); chunks 2 and 6 belong to no lane and hold NaN everywhere. Checkpoints: two in chunk
@@ -200,31 +198,41 @@ def pipeline_case(seed, channel):
     return p, tiles, init
 
 
-def valid_outputs(p, o, final, ckpts):
-    """The real tokens' O (version 1's chunk-major o [NC, C, HV, V] gathered; version 2's is in token order), final
-    states, the real checkpoints."""
+def pipeline_checkpoints(p):
+    """`Checkpoints` of p's layout in numpy: per chunk the CSR range of the valid entries it holds (chunk-sorted)."""
     lay = p.lay
-    o = np.asarray(o, np.float32)
-    if o.ndim == 4:
-        o = o[np.asarray(lay.token_chunk), np.asarray(lay.token_pos)]
-    valid = np.asarray(lay.token_valid)
-    return o[valid], np.asarray(final), np.asarray(ckpts)[np.asarray(lay.checkpoint_valid)]
+    num_chunks = lay.chunk_len.shape[0]
+    chunk_of = np.where(np.asarray(lay.checkpoint_valid), np.asarray(lay.checkpoint_chunk), num_chunks)
+    lo = np.searchsorted(chunk_of, np.arange(num_chunks), side="left")
+    hi = np.searchsorted(chunk_of, np.arange(num_chunks), side="right")
+    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
+    return mgs.Checkpoints(lo, hi - lo, np.asarray(lay.checkpoint_pos), f32(p.k), np.asarray(lay.chunk_start),
+                           np.asarray(lay.chunk_len), f32(p.G))
 
 
 @pytest.mark.parametrize("channel", [False, True], ids=["gdn", "kda"])
-def test_state_pass_v2_matches_version_1(channel):
+def test_state_pass_v2_on_the_pipeline_against_float64(channel):
+    # the intra pass's own tiles, one lane per row: O in token order with the 10 padding tokens (NaN inputs) exactly
+    # zero; the real tokens, final states and real checkpoints against the contract in float64 on the same tiles
     seed = int(np.random.SeedSequence().entropy % 2**31)
     p, tiles, init = pipeline_case(seed, channel)
-    v1 = valid_outputs(p, *mgd.state_pass(p, *tiles, init, per_channel_decay=channel, interpret=True))
-    outs = mgs.state_pass_v2(p, *tiles, init, per_channel_decay=channel, interpret=True)
-    # token order, the 10 padding tokens (NaN inputs) exactly zero
-    o = np.asarray(outs[0], np.float32)
+    o, final, ckpts = (np.asarray(jnp.asarray(x, jnp.float32))
+                       for x in mgs.state_pass_v2(p, *tiles, init, per_channel_decay=channel, interpret=True))
+    lay = p.lay
+    valid = np.asarray(lay.token_valid)
     assert o.shape == (p.q.shape[0], *p.v.shape[1:]), o.shape
-    np.testing.assert_array_equal(o[~np.asarray(p.lay.token_valid)], 0, err_msg=str(seed))
-    v2 = valid_outputs(p, *outs)
-    for name, a, b in zip(("o", "final", "checkpoints"), v2, v1):
-        assert a.shape == b.shape and np.isfinite(a).all(), (seed, name)
-        assert rel_rms(a, b) <= AGREE_TOL[name], (seed, name, rel_rms(a, b))
+    np.testing.assert_array_equal(o[~valid], 0, err_msg=str(seed))
+    names = ("w", "u", "kd", "qg", "aqk")
+    f32 = {name: np.asarray(jnp.asarray(x, jnp.float32)) for name, x in zip(names, tiles)}
+    decays = np.asarray(p.G[:, :, C - 1] if channel else p.G)
+    o_ref, final_ref, ckpts_ref = reference(f32, decays, np.asarray(init), pipeline_checkpoints(p), channel=channel,
+                                            group=2, lane_first=np.asarray(lay.row_first_chunk),
+                                            lane_count=np.asarray(lay.row_num_chunks), num_tokens=p.q.shape[0])
+    real = np.asarray(lay.checkpoint_valid)
+    for name, a, e, tol in (("o", o[valid], o_ref[valid], O_TOL), ("final", final, final_ref, STATE_TOL),
+                            ("checkpoints", ckpts[real], ckpts_ref[real], STATE_TOL)):
+        assert a.shape == e.shape and np.isfinite(a).all() and np.isfinite(e).all(), (seed, name)
+        assert rel_rms(a, e) <= tol, (seed, name, rel_rms(a, e))
 
 
 def test_no_races_float16():

@@ -1,6 +1,5 @@
 """The chunked gated delta rule (GDN scalar decay, KDA per-key-channel decay) on Pallas Mosaic GPU kernels (Hopper:
-wgmma + TMA), exporting checkpoint states from inside the state pass: the pipeline (`delta_rule_mosaic`, `supports`)
-and the first version of the state pass (`state_pass`).
+wgmma + TMA), exporting checkpoint states from inside the state pass: the pipeline (`delta_rule_mosaic`, `supports`).
 
 Written against jax 0.11.2 (`jax.experimental.pallas.mosaic_gpu` as plgpu: `plgpu.kernel`, Lane lowering
 semantics); the Mosaic GPU API changes between jax releases, so check this module when jax moves.
@@ -9,111 +8,74 @@ semantics); the Mosaic GPU API changes between jax releases, so check this modul
 (`pallas_triton_delta.prepare`), an intra pass writing chunk-major w, u, kd, qg, aqk [HV, NC, C, *] in the 16-bit
 input dtype (`intra`: the Triton `intra_v2` or the Mosaic GPU kernels of `pallas_mosaic_gpu_intra` /
 `pallas_mosaic_gpu_kda_intra`), then a state pass chosen by `state` (defaults: `default_tuning`): "v2", the lanes
-kernel of `pallas_mosaic_gpu_state` behind the sequence split of `pallas_mosaic_gpu_split` (the default), "fused"
-(GDN: `pallas_mosaic_gpu_gdn_fused`, which replaces the intra pass), or "v1", `_state_kernel` below (the first
-version, the reference the others are tested against), which fuses the output:
+kernel of `pallas_mosaic_gpu_state` (the default), or "fused" (GDN: `pallas_mosaic_gpu_gdn_fused`, which replaces
+the intra pass). Both fuse the output:
 
     per row n, value head h, V block j (BV = 64 columns), S = S[:, cols] fp32 [K, BV], for the row's chunks c:
     v_new = U_c - W_c S;   O_c = QG_c S + AQK_c v_new;   S <- exp(G_last) S + KD_c^T v_new
     (KDA: exp(G_last) is a [K] vector scaling the rows of S.)
 
-The split over pieces (`pallas_mosaic_gpu_split`) serves "v2" and "fused" alike; the cumsum launch is shared.
-"v2" and "fused" store O straight into the token layout [T, HV, V] with the padding tokens zero (an untiled TMA
-view, `pallas_mosaic_gpu_state` docstring, "O"); only "v1" leaves it chunk-major, for an XLA gather in
-`delta_rule_mosaic`.
+Both run behind the sequence split (`pallas_mosaic_gpu_split`); the cumsum launch is shared. Both store O straight
+into the token layout [T, HV, V] with the padding tokens zero (an untiled TMA view, `pallas_mosaic_gpu_state`
+docstring, "O").
 
-Version 1's design (the rest of this docstring; version 2 and the fused pass document theirs in their modules).
-Design (one CTA of one warpgroup, doing all of the below, per grid point (row, value head, V / 64)):
-- The warpgroup carries S in fp32 registers (WGMMA layout) through the row's chunks. wgmma takes 16-bit operands
-  from SMEM, so every chunk it writes S as an unevaluated sum S_hi + S_lo of two 16-bit tiles (S_hi = S rounded,
-  S_lo = the rounding error rounded), likewise v_new. The state-feeding products take both halves:
-  W S = W S_hi + W S_lo and KD^T v_new = KD^T v_new_hi + KD^T v_new_lo, accurate to ~2^-16 relative in bf16 (TF32,
-  what the Triton pass uses for them, keeps 10 mantissa bits; S_hi alone keeps 8, and the error compounds over the
-  row's chunks). Measured offline (numpy, GDN, K = V = 128, 512 chunks of mild decay, the same bf16 W, U, KD,
-  fp32 carry), final-state rel-RMS against feeding S and v_new unrounded: TF32 1.8e-4, bf16 S_hi only 4.6e-4,
-  hi + lo 7e-7. The output products use the high halves only (QG S_hi, AQK v_new_hi), as the Triton pass's 16-bit
-  "bulk" dots do. Accumulation is fp32 throughout; O goes out in the input dtype.
-- Per chunk, two rounds of wgmma: W S_hi + W S_lo (-> v_new), then the output QG S_hi + AQK v_new_hi and the state
-  update KD^T v_new_hi + KD^T v_new_lo issued together into two accumulators, so they overlap on the tensor cores
-  and only the first round plus the update sit on the chain from one chunk's S to the next.
-- Double-buffered TMA: while chunk c computes, the six tiles of chunk c + 1 (W, U[:, cols], KD, QG, AQK and the
-  decays: GDN's G row [C], KDA's G_last [K]) are in flight into the other SMEM slot, one barrier per slot. The
-  wgmmas of a chunk are complete before the next chunk starts (their accumulators are read), so a slot is free
-  for the prefetch as soon as its chunk ends. SMEM at K = 128 (bf16): 128 KB of slots, 32 KB of S halves, 16 KB
-  of v_new halves, 8 KB of O staging, 32 KB of checkpoint tiles (only with checkpoints): one CTA per SM.
-- O leaves through a staging tile and a TMA store into a chunk-major o [NC, C, HV, V] (every chunk whole, its
-  own rows: a TMA store cannot be masked by rows), from which the wrapper gathers the tokens and zeroes padding
-  tokens in one pass.
-- TMA addresses: every TMA copy starts at a whole (8, 64) tile of its GMEM array (chunk-major arrays, from row 0).
-  Mosaic GPU issues a copy between GMEM and an SMEM tile with the (8, 64) tiling as a TMA over the GMEM array tiled
-  the same way: a row offset o becomes tile o // 8 plus in-tile row o % 8, with a box 8 rows tall in a dimension 8
-  rows long, so on the GPU o % 8 of every 8 rows fall out of bounds (a store drops them, a load zero-fills them),
-  while the interpreter copies them all. An earlier version stored O at each chunk's packed token offset and
-  loaded the checkpoint keys from k [T, H, K] at the chunk start: a row starting at 1501 (o % 8 = 5) kept 3 of
-  every 8 output rows on the H200. (The lanes kernels store O at token offsets through an *untiled* SMEM view,
-  which has no such limit: `tiles.token_staging`.)
-- Checkpoints, exactly as `pallas_triton_delta._checkpoints_in_chunk`: the loop over a row's chunks is cut into
-  segments at the chunks holding checkpoints (`_checkpoint_segments`), and such a chunk additionally forms, for each
-  of its checkpoints at chunk position r, exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T (r = 0 gives
-  S exactly): the chunk's k rows arrive by TMA from a per-segment copy [S, C, H, K] gathered in the wrapper
-  (`_segment_keys`, rows past the row zero), G from SMEM (GDN) or global memory (KDA), kr = k exp(G_{r-1} - G)
-  (rows i >= r masked to 0 before use, so a NaN in a padding token cannot leak) is split into hi + lo tiles in
-  SMEM, and kr^T v_new = kr_hi^T v_new_hi + kr_hi^T v_new_lo + kr_lo^T v_new_hi.
-  The carried S never depends on them, so outputs and final states are bitwise unchanged by checkpoints. Final and
-  checkpoint states are stored fp32 from registers.
-- Initial states are read from global memory into registers; a row's chunks are contiguous (first chunk and count
-  per row), metadata scalars read in-kernel.
+Precision of the state chain: wgmma takes 16-bit operands, so with `state_terms=2` the fp32 S and v_new feed the
+state-feeding products as an unevaluated sum x_hi + x_lo of two 16-bit tiles (x_hi = x rounded, x_lo = the
+rounding error rounded): W S = W S_hi + W S_lo and KD^T v_new = KD^T v_new_hi + KD^T v_new_lo, accurate to ~2^-16
+relative in bf16 (TF32, what the Triton pass uses for them, keeps 10 mantissa bits; S_hi alone keeps 8, and the
+error compounds over the row's chunks). Measured offline (numpy, GDN, K = V = 128, 512 chunks of mild decay, the
+same bf16 W, U, KD, fp32 carry), final-state rel-RMS against feeding S and v_new unrounded: TF32 1.8e-4, bf16 S_hi
+only 4.6e-4, hi + lo 7e-7. `state_terms=1` (the default) feeds the high halves alone, as FLA and jla do. The output
+products use the high halves only (QG S_hi, AQK v_new_hi), as the Triton pass's 16-bit "bulk" dots do.
+Accumulation is fp32 throughout; O goes out in the input dtype.
+
+TMA addresses: every TMA copy through a tiled SMEM tile starts at a whole (8, 64) tile of its GMEM array
+(chunk-major arrays, from row 0). Mosaic GPU issues a copy between GMEM and an SMEM tile with the (8, 64) tiling as
+a TMA over the GMEM array tiled the same way: a row offset o becomes tile o // 8 plus in-tile row o % 8, with a box
+8 rows tall in a dimension 8 rows long, so on the GPU o % 8 of every 8 rows fall out of bounds (a store drops them,
+a load zero-fills them), while the interpreter copies them all. The first state pass stored O at each chunk's
+packed token offset and loaded the checkpoint keys from k [T, H, K] at the chunk start: a row starting at 1501
+(o % 8 = 5) kept 3 of every 8 output rows on the H200. So checkpoint keys travel in copies gathered per checkpoint
+chunk, and the lanes kernels store O at token offsets through an *untiled* SMEM view, which has no such limit
+(`tiles.token_staging`).
 
 Supported (`supports`): chunk 64, K and V in {64, 128}, q, k, v one 16-bit dtype (bf16 or float16), a Hopper GPU
 (or interpret mode), launch grids within CUDA's caps (at most 65535 chunks, T // 64 + N, and 65535 lanes, N x
 pieces; exact when `supports` gets cu_seqlens). Float32 inputs are declined: wgmma would run them at TF32 (or a
 3-way bf16 split of every operand tile), below the float32 class; the Triton and XLA paths serve them.
 
-Interpret mode (`interpret=True`, CPU): the state kernel runs in Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`;
+Interpret mode (`interpret=True`, CPU): the state kernels run in Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`;
 its wgmma is an fp32 matmul of the 16-bit SMEM tiles, so the hi + lo products are exact there and the interpreter
 checks the algorithm, not the tensor-core rounding), the cumsum and intra kernels in the Pallas HLO interpreter.
-The interpreter does not model `pl.run_state` accumulator operands, hence accumulators start from zero
-(`pl.run_scoped`) and addends are added after the wgmma.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as gdn_fused
 from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mosaic_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mosaic_kda_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_split as mosaic_split
-from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
 from jaxckpt.plan.layout import max_chunks
 
 CHUNK = 64
 HEAD_DIMS = (64, 128)
-BLOCK_V = 64
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 INTRA = ("pallas_triton", "mosaic_gpu")
 MAX_PIECES = 64  # the piece scan is unrolled, and N * pieces lanes sit on one grid axis
-STATES = ("v1", "v2", "fused")
-TUNING_KEYS = ("intra", "intra_num_warps", "num_stages", "kda_intra", "kda_diag", "kda_block_k", "state", "pieces",
+STATES = ("v2", "fused")
+TUNING_KEYS = ("intra", "intra_num_warps", "num_stages", "kda_block_k", "state", "pieces",
                "kda_score_parts", "state_terms", "intra_inverse")
-_INTRA_TUNING = ("intra_num_warps", "num_stages", "kda_intra", "kda_diag", "kda_block_k")
+_INTRA_TUNING = ("intra_num_warps", "num_stages", "kda_block_k")
 # state "fused" forms the intra products itself (`gdn_kkt` and the lanes loop); the cumsum launch keeps its tuning
-_NOT_FUSED = ("intra", "kda_intra", "kda_diag", "kda_block_k", "kda_score_parts", "intra_inverse")
+_NOT_FUSED = ("intra", "kda_block_k", "kda_score_parts", "intra_inverse")
 # the Mosaic GPU intra kernels' options as the op names them
 _MOSAIC_INTRA_TUNING = {"kda_score_parts": "score_parts", "intra_inverse": "inverse"}
 _F32 = jnp.float32
-_WG = plgpu.Layout.WGMMA
-_ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
-_COL = _WG.reduce(0)  # one value per column
-_COPIES_PER_CHUNK = 6  # w, u, kd, qg, aqk, decays
 
 
 def _is_hopper() -> bool:
@@ -127,10 +89,9 @@ def default_tuning(*, per_channel_decay, state=None):
     on the state chain (`state_terms=1`, FLA's precision: 17-19% less device time for GDN at one row, states still
     below FLA's error on the parity problem); the Mosaic GPU intra pass (GDN: 2.9x faster than the Triton one; KDA:
     fp16 score operands, 2.6x faster) for keys of any norm (its inverse is scaled by the keys' norms,
-    `pallas_mosaic_gpu_intra`, "Range"). `state` given: its pieces."""
+    `pallas_mosaic_gpu_intra`, "Range")."""
     state = state or "v2"
-    return dict(intra="mosaic_gpu", state=state,
-                pieces=1 if state == "v1" else "auto", state_terms=2 if state == "v1" else 1)
+    return dict(intra="mosaic_gpu", state=state, pieces="auto", state_terms=1)
 
 
 def _state_reason(state, pieces, state_terms=2) -> str | None:
@@ -138,20 +99,15 @@ def _state_reason(state, pieces, state_terms=2) -> str | None:
         return f"tuning: state must be one of {STATES}, got {state!r}"
     if state_terms not in (1, 2) or isinstance(state_terms, bool):
         return f"tuning: state_terms must be 1 or 2, got {state_terms!r}"
-    if state_terms != 2 and state == "v1":
-        return "tuning: state_terms=1 needs state='v2' or 'fused' (state='v1' always feeds hi + lo pairs)"
     if pieces != "auto" and (isinstance(pieces, bool) or not isinstance(pieces, (int, np.integer))
                              or not 1 <= pieces <= MAX_PIECES):
         return f"tuning: pieces must be an int in [1, {MAX_PIECES}] or 'auto', got {pieces!r}"
-    if pieces != 1 and state == "v1":
-        return (f"tuning: pieces={pieces!r} needs state='v2' or 'fused' (the lanes kernels split rows into pieces; "
-                f"state={state!r} runs whole rows)")
     return None
 
 
 def _grid_reason(q, v, *, num_rows, num_chunks, state, pieces) -> str | None:
     """None when the state pass's launch grids fit CUDA's caps, else the reason (the intra kernels check theirs at
-    launch): the lanes (v1: the rows; v2 and fused: rows x pieces, `split_lanes`) on the first axis of a three-axis
+    launch): the lanes (rows x pieces, `split_lanes`) on the first axis of a three-axis
     grid, launched on grid z; for "fused" also `gdn_kkt`'s (chunk, value head) grid."""
     if pieces == "auto":
         pieces = mosaic_split.choose_pieces(num_rows, v.shape[1], v.shape[2], q.shape[0], head_k=q.shape[2])
@@ -189,7 +145,7 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=Non
     if tuning.get("state") == "fused":
         if g.ndim == 3:
             return ("tuning: state='fused' is the fused GDN pass (a scalar decay per token); KDA's per-channel decay "
-                    "needs state 'v1' or 'v2'")
+                    "needs state 'v2'")
         given = sorted(set(tuning) & set(_NOT_FUSED))
         if given:
             return f"tuning: {given} tune the intra pass, which state='fused' replaces with its own kernels"
@@ -249,203 +205,10 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=Non
     return None
 
 
-def _split(x, hi_ref, lo_ref):
-    """Stores x (fp32) as x_hi + x_lo, two tiles of the refs' 16-bit dtype."""
-    hi = x.astype(hi_ref.dtype)
-    hi_ref[...] = hi
-    lo_ref[...] = (x - hi.astype(_F32)).astype(lo_ref.dtype)
-
-
-def _state_kernel(*refs, chunk, group, channel, has_initial, has_checkpoints):
-    refs = list(refs)
-    take = lambda count: [refs.pop(0) for _ in range(count)]
-    first_ref, count_ref = take(2)
-    if has_checkpoints:
-        seg_lo_ref, seg_hi_ref, seg_chunk_ref, ck_start_ref, ck_count_ref, ck_pos_ref, seg_k_ref = take(7)
-        G_full_ref = refs.pop(0) if channel else None
-    dec_ref, w_ref, u_ref, kd_ref, qg_ref, aqk_ref = take(6)
-    init_ref = refs.pop(0) if has_initial else None
-    o_ref, final_ref, ckpt_ref = take(3)
-    (w_s, u_s, kd_s, qg_s, aqk_s, dec_s, s_hi, s_lo, vn_hi, vn_lo, o_s, bar) = take(12)
-    kr_hi, kr_lo, k_bar = take(3) if has_checkpoints else (None, None, None)
-
-    n, h, j = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("j")
-    hk = lax.div(h, group)
-    cols = pl.ds(j * BLOCK_V, BLOCK_V)
-    head_k = w_s.shape[-1]
-    state_shape = (head_k, BLOCK_V)
-    first, count = first_ref[n], count_ref[n]
-
-    def fetch(i, slot):
-        c = first + i
-        bar_slot = bar.at[slot]
-        plgpu.copy_gmem_to_smem(w_ref.at[h, c], w_s.at[slot], bar_slot)
-        plgpu.copy_gmem_to_smem(u_ref.at[h, c, :, cols], u_s.at[slot], bar_slot)
-        plgpu.copy_gmem_to_smem(kd_ref.at[h, c], kd_s.at[slot], bar_slot)
-        plgpu.copy_gmem_to_smem(qg_ref.at[h, c], qg_s.at[slot], bar_slot)
-        plgpu.copy_gmem_to_smem(aqk_ref.at[h, c], aqk_s.at[slot], bar_slot)
-        plgpu.copy_gmem_to_smem(dec_ref.at[h, c], dec_s.at[slot], bar_slot)
-
-    @pl.when(count > 0)
-    def _():
-        fetch(0, 0)
-
-    if has_initial:
-        S0 = tiles.load(init_ref.at[n, h, :, cols])
-    else:
-        S0 = plgpu.layout_cast(jnp.zeros(state_shape, _F32), _WG)
-
-    def take_checkpoints(s, c, slot, S):
-        """The checkpoints of chunk c, segment s (`pallas_triton_delta._checkpoints_in_chunk`); v_new is in
-        vn_hi/vn_lo."""
-        # the chunk's key rows (`_segment_keys`: whole-tile aligned, rows past the row zero) land in kr_hi, free until
-        # the first split below
-        plgpu.copy_gmem_to_smem(seg_k_ref.at[s, :, hk, :], kr_hi, k_bar)
-        plgpu.barrier_wait(k_bar)
-        # only S and the 16-bit keys stay live across the checkpoints; the fp32 tiles are rebuilt per checkpoint
-        k_c = tiles.load(kr_hi)  # [C, K]
-        tile = (chunk, head_k)
-
-        def one(m, carry):
-            r = ck_pos_ref[m]
-            at = jnp.maximum(r - 1, 0)
-            inside = jnp.where(r > 0, 1.0, 0.0)  # r = 0: no rows below and the state decays by exp(0): S itself
-            before = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=_WG) < r
-            if channel:
-                G_c = tiles.load(G_full_ref.at[h, c])  # [C, K]
-                G_r = tiles.by_col(tiles.load(G_full_ref.at[h, c, at], _COL), tile)
-                decay = tiles.by_row(jnp.exp(tiles.load(G_full_ref.at[h, c, at], _ROW) * inside), state_shape)
-            else:
-                G_c = tiles.by_row(tiles.load(dec_s.at[slot], _ROW), tile)
-                G_r = dec_s[slot, at]
-                decay = jnp.exp(G_r * inside)
-            kr = jnp.where(before, k_c.astype(_F32) * jnp.exp(jnp.where(before, G_r - G_c, -jnp.inf)), 0.0)
-            _split(kr, kr_hi, kr_lo)
-            plgpu.commit_smem()
-            added = tiles.matmul(state_shape, ((kr_hi.T, vn_hi), (kr_hi.T, vn_lo), (kr_lo.T, vn_hi)))
-            ckpt_ref.at[m, h, :, cols][...] = decay * S + added
-            return carry
-
-        lax.fori_loop(ck_start_ref[c], ck_start_ref[c] + ck_count_ref[c], one, 0)
-
-    def chunk_step(i, S, *, segment=None):
-        c = first + i  # a row's chunks are contiguous: no per-chunk metadata load
-        slot = lax.rem(i, 2)
-
-        @pl.when(i + 1 < count)
-        def _():
-            plgpu.commit_smem()  # order this thread's earlier SMEM accesses before the async proxy's writes
-            fetch(i + 1, 1 - slot)
-
-        plgpu.barrier_wait(bar.at[slot])
-        _split(S, s_hi, s_lo)
-        plgpu.commit_smem()
-        # operands of the elementwise work are read before the wgmma waits, so the reads overlap the tensor cores
-        u = tiles.load(u_s.at[slot]).astype(_F32)  # [C, BV]
-        if channel:
-            decay = tiles.by_row(jnp.exp(tiles.load(dec_s.at[slot], _ROW)), state_shape)  # G_last [K] per row of S
-        else:
-            decay = jnp.exp(dec_s[slot, chunk - 1])  # padded rows have g = 0: the last real token's G
-        v_new = u - tiles.matmul((chunk, BLOCK_V), ((w_s.at[slot], s_hi), (w_s.at[slot], s_lo)))
-        _split(v_new, vn_hi, vn_lo)
-        plgpu.commit_smem()
-        kd_t = kd_s.at[slot].T  # [K, C]
-        o, added = tiles.matmuls(((chunk, BLOCK_V), ((qg_s.at[slot], s_hi), (aqk_s.at[slot], vn_hi))),
-                            (state_shape, ((kd_t, vn_hi), (kd_t, vn_lo))))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's store has read o_s
-        o_s[...] = o.astype(o_s.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, o_ref.at[c, :, h, cols])
-        if segment is not None:
-            take_checkpoints(segment, c, slot, S)
-        return decay * S + added
-
-    def run(lo, hi, S):
-        return lax.fori_loop(lo, hi, chunk_step, S)
-
-    if has_checkpoints:
-        def segment(s, carry):
-            i0, S = carry
-            i_ck = seg_chunk_ref[s] - first
-            S = chunk_step(i_ck, run(i0, i_ck, S), segment=s)
-            return i_ck + 1, S
-
-        i0, S = lax.fori_loop(seg_lo_ref[n], seg_hi_ref[n], segment, (jnp.int32(0), S0))
-        S = run(i0, count, S)
-    else:
-        S = run(0, count, S0)
-    final_ref.at[n, h, :, cols][...] = S
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _segment_keys(p, seg_chunk, chunk):
-    """The key rows of each checkpoint chunk (`_checkpoint_segments`' seg_chunk), [S, C, H, K], rows past the chunk's
-    tokens zero: the kernel's TMA load of a segment's keys starts at a whole (8, 64) tile, which an offset into k
-    [T', H, K] at a row start would not (module docstring, "TMA addresses")."""
-    pos = jnp.arange(chunk, dtype=jnp.int32)
-    rows = p.lay.chunk_start[seg_chunk][:, None] + pos
-    inside = pos < p.lay.chunk_len[seg_chunk][:, None]
-    keys = p.k[jnp.minimum(rows, p.k.shape[0] - 1)]
-    return jnp.where(inside[:, :, None, None], keys, jnp.zeros((), keys.dtype))  # a select: NaN padding stays out
-
-
-def state_pass(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False):
-    """The Mosaic GPU state pass over `pallas_triton_delta.prepare`'s `p` and version 2's intermediates.
-
-    `interpret`: False (GPU), True (Mosaic GPU's interpreter) or a `plgpu.InterpretGPUParams` for it.
-
-    w, kd, qg   # [HV, NC, C, K] 16-bit
-    u           # [HV, NC, C, V]
-    aqk         # [HV, NC, C, C]
-    init        # fp32 [N, HV, K, V] or None (zeros)
-    Returns (o chunk-major [NC, C, HV, V] (token t at [token_chunk[t], token_pos[t]]), final fp32 [N, HV, K, V],
-    checkpoints fp32 [max(M, 1), HV, K, V]; rows of unused chunks, padding rows and padded entries unspecified).
-    """
-    lay, io_dtype, chunk, channel = p.lay, p.io_dtype, CHUNK, per_channel_decay
-    num_v_heads, num_chunks, _, head_k = w.shape
-    head_v = u.shape[-1]
-    group = num_v_heads // p.q.shape[1]
-    num_rows = p.cu_seqlens.shape[0] - 1
-    num_ckpt = lay.checkpoint_pos.shape[0]
-    has_checkpoints = num_ckpt > 0
-    inputs = [lay.row_first_chunk, lay.row_num_chunks]
-    if has_checkpoints:
-        ck_start, ck_count = triton_delta._checkpoint_ranges(lay, num_chunks)
-        seg_lo, seg_hi, seg_chunk = triton_delta._checkpoint_segments(lay, p.checkpoint_cu)
-        inputs += [seg_lo, seg_hi, seg_chunk, ck_start, ck_count, lay.checkpoint_pos,
-                   _segment_keys(p, seg_chunk, chunk)]
-        inputs += [p.G] if channel else []
-    decays = p.G[:, :, chunk - 1, :] if channel else p.G  # KDA: G_last [HV, NC, K]; GDN: the G rows [HV, NC, C]
-    inputs += [decays, w, u, kd, qg, aqk] + ([init] if init is not None else [])
-    kv = (head_k, head_v)
-    out_type = (jax.ShapeDtypeStruct((num_chunks, chunk, num_v_heads, head_v), io_dtype),
-                jax.ShapeDtypeStruct((num_rows, num_v_heads, *kv), _F32),
-                jax.ShapeDtypeStruct((max(num_ckpt, 1), num_v_heads, *kv), _F32))
-    scratch = [tiles.swizzled((2, chunk, head_k), io_dtype), tiles.swizzled((2, chunk, BLOCK_V), io_dtype),
-               tiles.swizzled((2, chunk, head_k), io_dtype), tiles.swizzled((2, chunk, head_k), io_dtype),
-               tiles.swizzled((2, chunk, chunk), io_dtype), plgpu.SMEM((2, decays.shape[-1]), _F32),
-               tiles.swizzled((head_k, BLOCK_V), io_dtype), tiles.swizzled((head_k, BLOCK_V), io_dtype),
-               tiles.swizzled((chunk, BLOCK_V), io_dtype), tiles.swizzled((chunk, BLOCK_V), io_dtype),
-               tiles.swizzled((chunk, BLOCK_V), io_dtype),
-               plgpu.Barrier(num_arrivals=_COPIES_PER_CHUNK, num_barriers=2)]
-    if has_checkpoints:
-        scratch += [tiles.swizzled((chunk, head_k), io_dtype), tiles.swizzled((chunk, head_k), io_dtype), plgpu.Barrier()]
-    kernel = plgpu.kernel(
-        functools.partial(_state_kernel, chunk=chunk, group=group, channel=channel, has_initial=init is not None,
-                          has_checkpoints=has_checkpoints),
-        out_type=out_type, scratch_types=scratch, grid=(num_rows, num_v_heads, head_v // BLOCK_V),
-        grid_names=("n", "h", "j"),
-        # Lane semantics: SMEM tiles keep exactly the transforms given above (wgmma and TMA need them)
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret is True else interpret or None,
-        kernel_name="delta_state_mosaic")
-    return kernel(*inputs)
-
-
 def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm=False, initial_state=None,
                       cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
-                      interpret=False, intra=None, intra_num_warps=4, num_stages=2, kda_intra="split",
-                      kda_diag="doubling", kda_block_k=None, state=None, pieces=None, kda_score_parts=None,
+                      interpret=False, intra=None, intra_num_warps=4, num_stages=2,
+                      kda_block_k=None, state=None, pieces=None, kda_score_parts=None,
                       state_terms=None, intra_inverse=None):
     """`pallas_triton_delta.delta_rule` with the Mosaic GPU state pass (module docstring); same arguments and results.
 
@@ -457,22 +220,22 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     cu_seqlens          # i32[N + 1]; None = one row over all T tokens
     checkpoint_cu       # i32[N + 1] with checkpoint_offsets i32[M]; both None = no checkpoints
     `intra`: the kernels producing w, u, kd, qg, aqk ("pallas_triton": `pallas_triton_delta.intra_v2`, tuned by
-    intra_num_warps, num_stages and, for KDA, kda_intra, kda_diag, kda_block_k as there; "mosaic_gpu": wgmma
+    intra_num_warps, num_stages and, for KDA, kda_block_k as there; "mosaic_gpu": wgmma
     kernels with the same layouts, `pallas_mosaic_gpu_intra.gdn_intra` / `pallas_mosaic_gpu_kda_intra.kda_intra`, the
     latter's `score_parts` as kda_score_parts: 2 feeds the score products as hi + lo pairs, and both kernels'
     `inverse` as intra_inverse: "f16", "split" or "blocked", None their default). `interpret`: True runs
     every kernel on CPU; a `plgpu.InterpretGPUParams` (e.g. detect_races=True) does too, with those settings for the
     Mosaic GPU interpreter. Left out, intra, state and pieces take `default_tuning`'s values.
-    `state`: the state pass, "v1" (`state_pass`: one CTA per row, value head and V / 64) or "v2" (the lanes kernel,
-    `pallas_mosaic_gpu_state.state_lanes`, through `pallas_mosaic_gpu_split.state_pass_split`) or, GDN only,
+    `state`: the state pass, "v2" (the lanes kernel, `pallas_mosaic_gpu_state.state_lanes`, through
+    `pallas_mosaic_gpu_split.state_pass_split`) or, GDN only,
     "fused" (`pallas_mosaic_gpu_gdn_fused`: `gdn_kkt` and then the fused state loop `gdn_fused_lanes`, which forms
     the intra products itself and never writes w, u, kd, qg, aqk; through `pallas_mosaic_gpu_split.fused_pass_split`;
     it replaces the intra pass, so `intra` and the KDA intra options are rejected with it, while intra_num_warps and
-    num_stages still tune the cumsum launch); `pieces` (states "v2" and "fused"): each row cut into that many pieces
+    num_stages still tune the cumsum launch); `pieces`: each row cut into that many pieces
     run in parallel and joined exactly by their affine state maps (1: the plain pass over whole rows), or "auto" for
-    `pallas_mosaic_gpu_split.choose_pieces` (1 unless the plain pass leaves most SMs idle); `state_terms` (states "v2"
-    and "fused"): 2 feeds the state chain's products as 16-bit hi + lo pairs (default), 1 as one 16-bit term each,
-    FLA's and jla's precision, for a shorter chain.
+    `pallas_mosaic_gpu_split.choose_pieces` (1 unless the plain pass leaves most SMs idle); `state_terms`: 2 feeds
+    the state chain's products as 16-bit hi + lo pairs, 1 (default) as one 16-bit term each, FLA's and jla's
+    precision, for a shorter chain.
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padding tokens and padded checkpoint entries are zeros.
@@ -527,21 +290,12 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
         else:
             w, u, kd, qg, aqk = triton_delta.intra_v2(p, per_channel_decay=per_channel_decay, chunk_size=chunk_size,
                                                       interpret=triton_interpret, intra_num_warps=intra_num_warps,
-                                                      num_stages=num_stages, kda_intra=kda_intra, kda_diag=kda_diag,
+                                                      num_stages=num_stages,
                                                       kda_block_k=kda_block_k)
-        if state == "v1":
-            o_chunks, final_state, checkpoint_states = state_pass(p, w, u, kd, qg, aqk, init,
-                                                                  per_channel_decay=per_channel_decay,
-                                                                  interpret=interpret)
-            # version 1 stores whole chunks: tokens from their chunks' rows in one gather; padding tokens (pointing
-            # at chunk 0, maybe never written) zeroed by a select
-            o = o_chunks.reshape(-1, *o_chunks.shape[2:])[lay.token_chunk * chunk_size + lay.token_pos]  # [T', HV, V]
-            o = jnp.where(lay.token_valid[:, None, None], o, 0)
-        else:
-            o, final_state, checkpoint_states = mosaic_split.state_pass_split(
-                p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel_decay, pieces=pieces, interpret=interpret,
-                state_terms=state_terms)
-    o = o[:num_tokens]  # v2 and fused write token order, padding tokens zero; T' = 1 for an empty call
+        o, final_state, checkpoint_states = mosaic_split.state_pass_split(
+            p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel_decay, pieces=pieces, interpret=interpret,
+            state_terms=state_terms)
+    o = o[:num_tokens]  # token order, padding tokens zero; T' = 1 for an empty call
     num_ckpt = lay.checkpoint_pos.shape[0]
     checkpoint_states = jnp.where(lay.checkpoint_valid[:, None, None, None], checkpoint_states[:num_ckpt], 0)
     if state_layout == "vk":

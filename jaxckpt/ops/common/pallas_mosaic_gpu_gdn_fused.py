@@ -69,8 +69,8 @@ Kernels:
    depends on checkpoints. States cross global memory transposed ([.., V, K]) as in `pallas_mosaic_gpu_state`.
    map_mode: the lane's affine map [M | E] as the same recurrence over the column blocks of [I | 0] with v -> [0 | v];
    no q, no O (the output warpgroup only prepares Ag).
-3. `gdn_fused_pass`: `gdn_kkt` + `gdn_fused_lanes` over whole rows, with `pallas_mosaic_gpu_delta.state_pass`'s
-   arguments and return contract except that o comes in token order (padding tokens zero), not chunk-major.
+3. `gdn_fused_pass`: `gdn_kkt` + `gdn_fused_lanes` over whole rows, with `pallas_mosaic_gpu_state.state_pass_v2`'s
+   return contract (o in token order, padding tokens zero).
 
 SMEM (K = V = 128, bf16): a ring slot holds q, k (16 KB each), v's column block and T0 / Ag (8 KB each) and the G,
 beta rows: 48.5 KB; fixed: published S^T_hi 2 x 16 KB, v_new_hi 2 x 8 KB, P 8 KB, O staging 8 KB (three views of one
@@ -549,8 +549,8 @@ def gdn_fused_lanes(lane_first, lane_count, chunk_start, chunk_len, q, k, v, bet
 
 
 def gdn_fused_pass(p, init, *, interpret=False, kkt_inverse="f16"):
-    """`gdn_kkt` + `gdn_fused_lanes` over whole rows: `pallas_mosaic_gpu_delta.state_pass`'s contract for GDN, o in
-    token order. `kkt_inverse`: `gdn_kkt`'s `inverse`.
+    """`gdn_kkt` + `gdn_fused_lanes` over whole rows: `pallas_mosaic_gpu_state.state_pass_v2`'s contract for GDN.
+    `kkt_inverse`: `gdn_kkt`'s `inverse`.
 
     p     # `pallas_triton_delta.prepare(..., per_channel_decay=False)`
     init  # fp32 [N, HV, K, V] or None (zeros)

@@ -159,7 +159,7 @@ def _split(lay, init, run_lanes, *, pieces):
 
 
 def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, interpret=False, state_terms=2):
-    """`pallas_mosaic_gpu_delta.state_pass` (same arguments; o in token order) with each row cut into `pieces` lanes
+    """`pallas_mosaic_gpu_state.state_pass_v2` (same arguments and results) with each row cut into `pieces` lanes
     (module docstring), both passes on `pallas_mosaic_gpu_state.state_lanes`.
 
     w, kd, qg   # [HV, NC, C, K] 16-bit

@@ -1,12 +1,12 @@
-"""The sequential state pass of the chunked gated delta rule over *lanes* (version 2 of the Mosaic GPU state pass).
+"""The sequential state pass of the chunked gated delta rule over *lanes* (the Mosaic GPU state pass, `state="v2"`).
 
 A lane is a contiguous range of chunks walked in order from a given start state: a whole row (the plain pass,
-`state_pass_v2`, a drop-in for `pallas_mosaic_gpu_delta.state_pass`) or a piece of a row (the sequence split,
-`pallas_mosaic_gpu_split`). Written against jax 0.11.2 (`plgpu.kernel`, Lane lowering semantics, warp
-specialization by `num_threads` / `thread_name`); check this module when jax moves.
+`state_pass_v2`) or a piece of a row (the sequence split, `pallas_mosaic_gpu_split`). Written against jax 0.11.2
+(`plgpu.kernel`, Lane lowering semantics, warp specialization by `num_threads` / `thread_name`); check this module
+when jax moves.
 
-Why a second version: version 1 (`pallas_mosaic_gpu_delta._state_kernel`) runs one warpgroup per CTA whose chain
-from one chunk's S to the next goes through SMEM twice (S split to SMEM, wgmma W S, wait, v_new split to SMEM, wgmma
+Why three warpgroups: the first state pass (one warpgroup per CTA, since removed: `bench/README.md`) had a chain
+from one chunk's S to the next through SMEM twice (S split to SMEM, wgmma W S, wait, v_new split to SMEM, wgmma
 KD^T v_new, wait), with the output products in the same commit group: ~2.5 us per 64-token chunk on an H200.
 
 Design, per grid point (lane, value head, column block j of BV = 64 columns of S), one CTA of three warpgroups:
@@ -14,10 +14,10 @@ Design, per grid point (lane, value head, column block j of BV = 64 columns of S
   products take their left operand from registers and the chain never touches SMEM:
       v_new^T = U^T - S^T W^T          (A = S^T registers, B = the transposed view of the w tile [C, K])
       S^T    <- S^T d + v_new^T KD      (A = v_new^T registers, B = the kd tile [C, K]; KDA: d per key = per column)
-  Precision as version 1 (its docstring has the measurement): S^T and v_new^T feed these products as 16-bit
-  hi + lo pairs (x_hi = x rounded, x_lo = the rounding error rounded), two register-A wgmmas each, fp32 accumulators.
-  `state_terms=1` drops the lo halves: one wgmma per product, S and v_new rounded to 16 bits where they meet W and
-  KD, as FLA's and jla's kernels do (shorter chain, states at their error class, not below it).
+  Precision (`pallas_mosaic_gpu_delta` docstring, with the measurement): S^T and v_new^T feed these products as
+  16-bit hi + lo pairs (x_hi = x rounded, x_lo = the rounding error rounded), two register-A wgmmas each, fp32
+  accumulators. `state_terms=1` drops the lo halves: one wgmma per product, S and v_new rounded to 16 bits where
+  they meet W and KD, as FLA's and jla's kernels do (shorter chain, states at their error class, not below it).
 - Warp specialization (`num_threads=3`): warpgroup 2 (memory, registers lowered by `set_max_registers`) keeps a
   2- to 4-slot TMA ring of the chunk tiles (w, u[:, cols], kd, qg, aqk, the decays) full; warpgroup 0 (state) runs
   the chain above; warpgroup 1 (output) forms O = QG S_hi + AQK v_new_hi from S^T_hi and v_new^T_hi tiles the state
@@ -28,8 +28,8 @@ Design, per grid point (lane, value head, column block j of BV = 64 columns of S
   once both consumers have released it (`in_free`, two arrivals). All three warpgroups meet at a final barrier: a
   warpgroup exiting while another still issues wgmmas has faulted on sm_90 with jax 0.11.2.
 - Checkpoints: a chunk with ck_count[c] > 0 forms, for each of its checkpoints at chunk position r,
-  exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T (r = 0: S itself), as version 1: kr = k exp(G_{r-1} -
-  G) with rows i >= r masked to 0 before use (a select: NaN in padding stays out), kr split into hi + lo SMEM tiles,
+  exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T (r = 0: S itself): kr = k exp(G_{r-1} - G) with
+  rows i >= r masked to 0 before use (a select: NaN in padding stays out), kr split into hi + lo SMEM tiles,
   and kr^T v_new = v_new_hi kr_hi + v_new_lo kr_hi + v_new_hi kr_lo (transposed, register A). This runs in the state
   warpgroup between the v_new and the update wgmmas (the fewest live registers): placing it in the output
   warpgroup would need S in fp32 (or its lo half) and v_new_lo published too, and at K = 128 the 2-slot ring
@@ -42,7 +42,7 @@ Design, per grid point (lane, value head, column block j of BV = 64 columns of S
   grid drops rows on the GPU). GDN reads G from the ring's G row, KDA from Checkpoints.G in global memory. The
   carried S never depends on checkpoints.
 - O: the output warpgroup stores each chunk's rows at the chunk's own tokens (chunk_start[c] ..), so no XLA gather
-  from a chunk-major copy follows (version 1 still writes one: on the H200 that gather cost 0.023 of 0.33 ms at
+  from a chunk-major copy follows (the first state pass wrote one: on the H200 that gather cost 0.023 of 0.33 ms at
   (1, 8192, 16) and 0.11 of 0.79 ms on an 8-row varlen mix). Chunk starts follow the rows, off the 8-row grid, where
   a TMA from an (8, 64)-tiled SMEM tile drops rows on the GPU ("TMA addresses" in `pallas_mosaic_gpu_delta`), so
   the staging tile is `tiles.token_staging`: WGMMA-layout registers go in through its tiled view and a whole chunk
@@ -66,10 +66,10 @@ next chunk's O is ready), checkpoint kr tiles 2 x 16 KB (only with checkpoints),
 `publish_slots=1` (the default; the state warpgroup waits for the output warpgroup's previous chunk before
 publishing) the ring takes 3 slots without checkpoints (226 KB) and 2 with them; with 2 publish slots, 2 slots (185 /
 217 KB). K = 64 and map_mode take 4 slots; `stages` forces a depth. A 2-slot ring leaves one chunk period to hide a
-load's latency. Measured on the H200 (`bench/results/mosaic_gpu_state_h200.log`): ~1.65 us per chunk step (version 1:
-2.5 us); `publish_slots=1` was faster in 6 of 8 cases (KDA with 8 checkpoints per row at 8K: 0.452 vs 0.566 ms; GDN
-(8, 4096, 32): 0.438 vs 0.449 ms; within 4% elsewhere). Each waiter observes every phase of its barriers before the
-CTA ends (the `drain` loops): the interpreter checks it when a barrier is deallocated.
+load's latency. Measured on the H200 (`bench/results/mosaic_gpu_state_h200.log`): ~1.65 us per chunk step (the
+first pass: 2.5 us); `publish_slots=1` was faster in 6 of 8 cases (KDA with 8 checkpoints per row at 8K: 0.452 vs
+0.566 ms; GDN (8, 4096, 32): 0.438 vs 0.449 ms; within 4% elsewhere). Each waiter observes every phase of its
+barriers before the CTA ends (the `drain` loops): the interpreter checks it when a barrier is deallocated.
 
 Interpret mode: Mosaic GPU's interpreter (jax 0.11.2) reads a wgmma's A operand only from SMEM, so under
 `interpret` every register operand takes a detour through a scratch tile (`tiles.lhs`); the lowering (checked by
@@ -451,9 +451,15 @@ def state_lanes(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd
 
 def state_pass_v2(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False, stages=None, publish_slots=1,
                   state_terms=2):
-    """`pallas_mosaic_gpu_delta.state_pass` (same arguments) on `state_lanes`, one lane per row; `stages`,
-    `publish_slots`, `state_terms` tune `state_lanes`. Returns (o [T', HV, V] in token order, padding tokens zero,
-    final fp32 [N, HV, K, V], checkpoints fp32 [max(M, 1), HV, K, V], padded entries unspecified)."""
+    """The plain state pass over `pallas_triton_delta.prepare`'s `p` and the intra pass's intermediates, on
+    `state_lanes`, one lane per row; `stages`, `publish_slots`, `state_terms` tune `state_lanes`.
+
+    w, kd, qg   # [HV, NC, C, K] 16-bit
+    u           # [HV, NC, C, V]
+    aqk         # [HV, NC, C, C]
+    init        # fp32 [N, HV, K, V] or None (zeros)
+    Returns (o [T', HV, V] in token order, padding tokens zero, final fp32 [N, HV, K, V], checkpoints fp32
+    [max(M, 1), HV, K, V], padded entries unspecified)."""
     lay, chunk = p.lay, CHUNK
     num_chunks = w.shape[1]
     checkpoints = None

@@ -2,24 +2,19 @@
 exporting checkpoint states from inside the sequential pass.
 
 The math (WY/UT form, in-chunk checkpoint formula) is in `jaxckpt/ops/gdn/README.md` and `jaxckpt/ops/kda/README.md`.
-Four launches (five for KDA's default intra pass), FLA-like (`chunk_gated_delta_rule` / `chunk_kda`); `version=2`
-(default):
+Four launches (five for KDA, whose intra pass is two), FLA-like (`chunk_gated_delta_rule` / `chunk_kda`):
 
 1. `_cumsum_kernel`, grid (chunk, value head): chunk-local inclusive cumulative log decay G, written chunk-major
    [HV, NC, C(, K)] in fp32. A separate pass because every later kernel reads sub-tiles and single rows of G, and
    register tiles cannot be sliced in the Triton lowering (no `slice` rule).
-2. `_intra_kernel_v2` (GDN; KDA's variants below), grid (chunk, value head): everything that does not need the
-   carried state, on 16-row sub-blocks (static loops over C / 16 <= 4 blocks, so no tile is ever sliced): A =
-   strictly-lower beta-scaled key scores, T = (I + A)^-1, W = T (beta exp(G) K), U = T (beta V), and for the later
-   passes KD = K exp(G_last - G), QG = scale Q exp(G) and the inclusive query scores AQK = scale tril(Q K^T
-   exp(G_i - G_j)). T's diagonal 16x16 blocks by recursive doubling (T_2s = T_s - T_s A_s T_s, three pairs of IEEE
-   dots, no loop), off-diagonal blocks by the block merge T_IJ = -T_II sum_{J<=k<I} A_Ik T_kJ. KDA's off-diagonal
-   score blocks use the reference-row factorisation exp(G_i - G_r) exp(G_r - G_j) with r the block's first row
-   (both factors <= 1, one matmul); its diagonal blocks split every strictly-lower pair into the (lower half, upper
-   half) quadrant of one 2s-row block, s = 8, 4, 2, 1, and factorise there about the block's middle row: both
-   factors <= 1 again, so the scores are exact without a gate bound, at one exp and one dot per level
-   (`_diag_block_scores`).
-3. `_state_kernel_v2`, grid (row, value head, V block): S [K, BV] fp32 carried through the row's chunks,
+2. The intra pass (GDN: `_intra_kernel_v2`, grid (chunk, value head); KDA: two launches, below): everything that
+   does not need the carried state, on 16-row sub-blocks (static loops over C / 16 <= 4 blocks, so no tile is ever
+   sliced): A = strictly-lower beta-scaled key scores, T = (I + A)^-1, W = T (beta exp(G) K), U = T (beta V), and
+   for the later passes KD = K exp(G_last - G), QG = scale Q exp(G) and the inclusive query scores
+   AQK = scale tril(Q K^T exp(G_i - G_j)). T's diagonal 16x16 blocks by recursive doubling
+   (T_2s = T_s - T_s A_s T_s, three pairs of IEEE dots, no loop), off-diagonal blocks by the block merge
+   T_IJ = -T_II sum_{J<=k<I} A_Ik T_kJ.
+3. `_state_kernel`, grid (row, value head, V block): S [K, BV] fp32 carried through the row's chunks,
    v_new = U - W S, S <- exp(G_last) S + KD^T v_new, writing the chunk-entry state h and v_new (or, with
    `fuse_output`, O = QG S + AQK v_new directly, making step 4 unnecessary). The chunk loop body is straight-line:
    Triton software-pipelines only innermost loops without branches, so the loop is cut into segments at the chunks
@@ -29,40 +24,27 @@ Four launches (five for KDA's default intra pass), FLA-like (`chunk_gated_delta_
    unchanged by checkpoints. Token rows are addressed from the row start (a row's chunks are contiguous), so the
    loop loads no per-chunk metadata. With `checkpoint_pass="after"` the loop is not cut: every step stores S by a
    masked store into the checkpoint chunk's slot (the next checkpoint chunk rides in the carry, loaded a step
-   ahead, so no step waits on it) and `_checkpoint_kernel_v2` finishes each export in a launch of its own. On the
+   ahead, so no step waits on it) and `_checkpoint_kernel` finishes each export in a launch of its own. On the
    H200 (one run) it cut one checkpoint per row at (1, 32768, 16) from +15% to +8.5% and one every 1024 at 8K from
    +16% to +3%; the segmented loop stays the default until a profile confirms it.
-4. `_output_kernel_v2`, grid (chunk, value head, V block): O = QG h + AQK v_new.
+4. `_output_kernel`, grid (chunk, value head, V block): O = QG h + AQK v_new.
 
-KDA's intra pass (step 2; `kda_intra`). Per-channel decay makes every score a channel sum
-sum_c a_ic k_jc exp(G_ic - G_jc). Every variant forms an off-diagonal 16x16 block (i in sub-chunk I, j in sub-chunk
-J < I) as one tensor-core dot of (a_i exp(G_i - G_r)) and (k_j exp(G_r - G_j)), r the first row of sub-chunk I
-(both factors <= 1: G is non-increasing and i >= r > j), and a diagonal block exactly: `_diag_block_scores` (the
-same factorisation on every level of a 16 -> 8 -> 4 -> 2 split) or, with `kda_diag="pairs"`, the direct per-pair
-form one key row at a time; the derivation is in `jaxckpt/ops/kda/README.md`. The variants differ in what a program
-holds, which decides their speed: a [16, K] x [K, 16] dot keeps both operands whole in every warp (64 + 64 fp32
-registers per thread at K = 128).
-- "resident" (`_intra_kernel_v2`, the first version 2): one program per chunk and head holding every sub-chunk's
-  q, k, G, beta exp(G) K and beta V, K = 128 wide. ptxas for sm_90 (offline: this module's lowering compiled by
-  pip Triton 3.8, `bench/pallas_delta_variants.py --ptxas`; bf16, K = V = 128): 168 registers plus 14.5 KB of spill
-  stores and 17 KB of spill loads per thread, the likely cause of the measured 5.4 ms (T 8192, H 16; GDN's intra
-  pass, 648 B of spills: 0.31 ms); measured 6.63 ms at (1, 8192, 16) and 24.9 ms at (1, 32768, 16).
-- "streamed" (`_kda_intra_kernel_streamed`): one launch as well, but row block by row block, the K axis in column
-  blocks of `kda_block_k` (default 32), and every [16, K]-sized operand loaded again where it is used (L1/L2 hits)
-  instead of held: 255 registers, 0.2 / 0.4 KB of spills; 2.39 / 8.53 ms.
-- "split" (the default; `_kda_scores_kernel` then `_kda_solve_kernel`): launch A, grid (chunk, head, sub-chunk I), writes
-  row block I of the beta-scaled key scores (fp32 [HV, NC, C, C]), the query scores, KD and QG: 140 registers, no
-  spills, 4x the programs; launch B, grid (chunk, head), reads the key scores and runs the streamed kernel's solve
-  (T, W, U): 200 registers, no spills. Costs one fp32 [C, C] round trip (16 KB) per chunk and head. Measured
-  fastest: 1.91 / 6.73 ms, 3.5x faster than "resident" (H200, `bench/results/ops_pallas_kda_h200.md`; whole op,
-  host wall time).
+KDA's intra pass (step 2). Per-channel decay makes every score a channel sum sum_c a_ic k_jc exp(G_ic - G_jc). An
+off-diagonal 16x16 block (i in sub-chunk I, j in sub-chunk J < I) is one tensor-core dot of (a_i exp(G_i - G_r)) and
+(k_j exp(G_r - G_j)), r the first row of sub-chunk I (both factors <= 1: G is non-increasing and i >= r > j); a
+diagonal block is exact: `_diag_block_scores` splits every strictly-lower pair into the (lower half, upper half)
+quadrant of one 2s-row block, s = 8, 4, 2, 1, and factorises there about the block's middle row, both factors <= 1
+again, so the scores are exact without a gate bound, at one exp and one dot per level; the derivation is in
+`jaxckpt/ops/kda/README.md`. What a program holds decides the speed: a [16, K] x [K, 16] dot keeps both operands
+whole in every warp (64 + 64 fp32 registers per thread at K = 128), so the pass is two launches of small programs.
+Launch A (`_kda_scores_kernel`, grid (chunk, head, sub-chunk I)) writes row block I of the beta-scaled key scores
+(fp32 [HV, NC, C, C]), the query scores, KD and QG, the K axis in column blocks of `kda_block_k` (default 32): 140
+registers, no spills. Launch B (`_kda_solve_kernel`, grid (chunk, head)) reads the key scores and solves T, W, U row
+block by row block, every [16, K]-sized operand loaded again where it is used (L1/L2 hits) instead of held: 200
+registers, no spills. It costs one fp32 [C, C] round trip (16 KB) per chunk and head; one program per chunk holding
+every sub-chunk spilled (`bench/README.md`, "Variants measured and not taken").
 Exps in these kernels are exp2(x log2 e) (one MUFU.EX2; libdevice's expf, what jnp.exp lowers to, is about 8
 instructions).
-
-`version=1` is the first design, kept selectable for comparison: the same four launches, but T's diagonal blocks by
-forward substitution (15 masked row updates), KDA's diagonal score blocks by a 16-step exact loop of pairwise exps
-(in both the intra and the output kernel), and a state loop that looks up each chunk's checkpoint range and runs a
-(usually empty) inner loop in every chunk, which stops Triton pipelining it.
 
 Varlen rows and checkpoints come from `jaxckpt.plan.layout.chunk_layout(..., xp=jnp)` (traced metadata, one compile
 per shape), passed as ordinary int32 refs: the Triton lowering has no scalar prefetch, so scalars are read in-kernel
@@ -100,11 +82,9 @@ CHUNK_SIZES = (16, 32, 64)
 SUB = 16
 MAX_HEAD_DIM = 256
 L2NORM_EPS = 1e-6
-TUNING_KEYS = ("num_warps", "num_stages", "block_v", "intra_num_warps", "output_block_v", "version",
-               "fuse_output", "kda_intra", "kda_diag", "kda_block_k", "checkpoint_pass")
+TUNING_KEYS = ("num_warps", "num_stages", "block_v", "intra_num_warps", "output_block_v", "fuse_output",
+               "kda_block_k", "checkpoint_pass")
 CHECKPOINT_PASSES = ("in_loop", "after")
-KDA_INTRA = ("split", "streamed", "resident")
-KDA_DIAG = ("doubling", "pairs")
 _HIGHEST = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
 
@@ -133,15 +113,8 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
         bv = tuning.get(key)
         if bv is not None and (not _is_pow2(bv) or not SUB <= bv <= head_v):
             return f"tuning: {key} must be a power of two in [{SUB}, V={head_v}], got {bv!r}"
-    if tuning.get("version", 2) not in (1, 2):
-        return f"tuning: version must be 1 or 2, got {tuning['version']!r}"
-    if tuning.get("fuse_output") and tuning.get("version", 2) != 2:
-        return "tuning: fuse_output needs version 2"
-    if tuning.get("checkpoint_pass", "in_loop") != "in_loop" and tuning.get("version", 2) != 2:
-        return "tuning: checkpoint_pass='after' needs version 2"
-    for key, allowed in (("kda_intra", KDA_INTRA), ("kda_diag", KDA_DIAG), ("checkpoint_pass", CHECKPOINT_PASSES)):
-        if tuning.get(key, allowed[0]) not in allowed:
-            return f"tuning: {key} must be one of {allowed}, got {tuning[key]!r}"
+    if tuning.get("checkpoint_pass", "in_loop") not in CHECKPOINT_PASSES:
+        return f"tuning: checkpoint_pass must be one of {CHECKPOINT_PASSES}, got {tuning['checkpoint_pass']!r}"
     bk = tuning.get("kda_block_k")
     if bk is not None and (not _is_pow2(bk) or not SUB <= bk <= min(head_k, head_v)):
         return f"tuning: kda_block_k must be a power of two in [{SUB}, min(K, V)={min(head_k, head_v)}], got {bk!r}"
@@ -188,174 +161,6 @@ def _cumsum_kernel(start_ref, len_ref, g_ref, G_ref, *, chunk, channel):
     G_ref[...] = jnp.cumsum(g, axis=0)
 
 
-def _forward_substitution(A):
-    """(I + A)^-1 of a strictly lower-triangular [SUB, SUB] tile, row by row: T_i = e_i - A_i,<i T_<i."""
-    rows = jnp.arange(SUB, dtype=jnp.int32)
-    eye = (rows[:, None] == rows[None, :]).astype(_F32)
-
-    def step(i, T):
-        a_i = _pick_row(A, rows, i)  # [SUB] row i of A, zero from column i on
-        new = (rows == i).astype(_F32) - jnp.sum(a_i[:, None] * T, axis=0)
-        return jnp.where(rows[:, None] == i, new[None, :], T)
-
-    return jax.lax.fori_loop(1, SUB, step, eye)
-
-
-def _key_row(k_ref, base, hk, j):
-    return k_ref.at[base + j, hk, :]
-
-
-def _diag_scores(a_I, G_I, k_row_at, G_ref, base, length, *, inclusive, width=SUB, col_offset=0):
-    """Exact per-channel scores of one diagonal block: sum_c a_ic k_jc exp(G_ic - G_jc) for j <(=) i in the block.
-
-    a_I, G_I [SUB, K] are rows base.. of the chunk; key row j is read from memory (row base + j) each step. The
-    result is a [SUB, width] tile holding the block at columns [col_offset, col_offset + SUB), zeros elsewhere.
-    """
-    rows = jnp.arange(SUB, dtype=jnp.int32)
-    cols = jnp.arange(width, dtype=jnp.int32)
-    head_k = a_I.shape[1]
-
-    def step(j, acc):
-        valid = jnp.broadcast_to(base + j < length, (head_k,))
-        k_j = plt.load(k_row_at(j), mask=valid, other=0).astype(_F32)  # [K]
-        G_j = G_ref[base + j, :]  # [K]
-        keep = (rows >= j) if inclusive else (rows > j)
-        col = jnp.sum(a_I * k_j[None, :] * _decay(G_I, G_j[None, :], keep[:, None], channel=True), axis=1)
-        return jnp.where(cols[None, :] == col_offset + j, col[:, None], acc)
-
-    return jax.lax.fori_loop(0, SUB, step, jnp.zeros((SUB, width), _F32))
-
-
-def _intra_kernel(start_ref, len_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, *, chunk, group, channel,
-                  dots):
-    c, h = pl.program_id(0), pl.program_id(1)
-    hk = h // group
-    start, length = start_ref[c], len_ref[c]
-    head_k, head_v = k_ref.shape[-1], v_ref.shape[-1]
-    nb = chunk // SUB
-    sub_rows = jnp.arange(SUB, dtype=jnp.int32)
-    k_blk, kb_blk, vb_blk, b_blk, G_blk = [], [], [], [], []
-    for J in range(nb):
-        rows = J * SUB + sub_rows
-        k_J = plt.load(k_ref.at[pl.ds(start + J * SUB, SUB), hk, :], mask=row_mask(rows, length, (SUB, head_k)),
-                       other=0)  # [SUB, K] input dtype
-        v_J = _load_tokens(v_ref.at[pl.ds(start + J * SUB, SUB), h, :], rows, length, (SUB, head_v))
-        b_J = _load_tokens(beta_ref.at[pl.ds(start + J * SUB, SUB), h], rows, length, (SUB,))
-        G_J = G_ref[pl.ds(J * SUB, SUB), :] if channel else G_ref[pl.ds(J * SUB, SUB)]
-        gamma = jnp.exp(G_J) if channel else jnp.exp(G_J)[:, None]
-        k_blk.append(k_J)
-        b_blk.append(b_J)
-        G_blk.append(G_J)
-        kb_blk.append(b_J[:, None] * gamma * k_J.astype(_F32))
-        vb_blk.append(b_J[:, None] * v_J)
-
-    A = {}
-    for I in range(nb):
-        for J in range(I + 1):
-            if channel and I > J:
-                G_r = G_ref[I * SUB, :]  # [K] reference row: the first row of block I
-                a = k_blk[I].astype(_F32) * jnp.exp(G_blk[I] - G_r[None, :])
-                b = k_blk[J].astype(_F32) * jnp.exp(G_r[None, :] - G_blk[J])
-                scores = dots.exact(a, b, _NT)
-            elif channel:
-                row_at = functools.partial(_key_row, k_ref, start + I * SUB, hk)
-                scores = _diag_scores(k_blk[I].astype(_F32), G_blk[I], row_at, G_ref, I * SUB, length,
-                                      inclusive=False)
-            else:
-                mask = None if I > J else sub_rows[:, None] > sub_rows[None, :]
-                scores = dots.bulk(k_blk[I], k_blk[J], _NT) * _decay(G_blk[I], G_blk[J], mask, channel=False)
-            A[I, J] = b_blk[I][:, None] * scores
-
-    _write_wy(A, kb_blk, vb_blk, w_ref, u_ref, nb=nb, dots=dots, diag_inverse=_forward_substitution)
-
-
-def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkpoints, dots):
-    (first_ref, count_ref, start_ref, len_ref, ck_start_ref, ck_count_ref, ck_pos_ref, k_ref, G_ref, w_ref, u_ref,
-     *rest) = refs
-    init_ref = rest.pop(0) if has_initial else None
-    h_ref, vnew_ref, final_ref, ckpt_ref = rest
-    n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    hk = h // group
-    head_k = k_ref.shape[-1]
-    cols = pl.ds(j * block_v, block_v)
-    rows = jnp.arange(chunk, dtype=jnp.int32)
-    if has_initial:
-        S0 = init_ref[n, h, :, cols].astype(_F32)
-    else:
-        S0 = jnp.zeros((head_k, block_v), _F32)
-    first = first_ref[n]
-
-    def chunk_step(i, S):
-        c = first + i
-        start, length = start_ref[c], len_ref[c]
-        h_ref[h, c, :, cols] = S.astype(h_ref.dtype)
-        v_new = u_ref[h, c, :, cols].astype(_F32) - dots.exact(w_ref[h, c], S)  # [C, BV]
-        vnew_ref[h, c, :, cols] = v_new.astype(vnew_ref.dtype)
-        k_c = _load_tokens(k_ref.at[pl.ds(start, chunk), hk, :], rows, length, (chunk, head_k))
-        if channel:
-            G_c = G_ref[h, c]  # [C, K]
-            G_last = G_ref[h, c, chunk - 1, :]  # [K]; padded rows have g = 0, so this is the last real token's
-            k_dec = k_c * jnp.exp(G_last[None, :] - G_c)
-            decay_last = jnp.exp(G_last)[:, None]
-        else:
-            G_c = G_ref[h, c]  # [C]
-            G_last = G_ref[h, c, chunk - 1]
-            k_dec = k_c * jnp.exp(G_last - G_c)[:, None]
-            decay_last = jnp.exp(G_last)
-
-        if has_checkpoints:
-            _checkpoints_in_chunk(ck_start_ref[c], ck_count_ref[c], ck_pos_ref, ckpt_ref, S, k_c, G_c, v_new, h=h,
-                                  cols=cols, rows=rows, channel=channel, dots=dots)
-        return decay_last * S + dots.exact(k_dec, v_new, _TN)
-
-    S = jax.lax.fori_loop(0, count_ref[n], chunk_step, S0)
-    final_ref[n, h, :, cols] = S
-
-
-def _output_kernel(start_ref, len_ref, q_ref, k_ref, G_ref, h_ref, vnew_ref, o_ref, *, chunk, group, channel,
-                   block_v, scale, dots):
-    c, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    hk = h // group
-    start, length = start_ref[c], len_ref[c]
-    head_k = q_ref.shape[-1]
-    cols = pl.ds(j * block_v, block_v)
-    state = h_ref[...]  # [K, BV]
-    v_new = vnew_ref[...]  # [C, BV]
-
-    @pl.when(length > 0)
-    def _():
-        if not channel:
-            rows = jnp.arange(chunk, dtype=jnp.int32)
-            mask = row_mask(rows, length, (chunk, head_k))
-            q = plt.load(q_ref.at[pl.ds(start, chunk), hk, :], mask=mask, other=0)
-            k = plt.load(k_ref.at[pl.ds(start, chunk), hk, :], mask=mask, other=0)
-            G = G_ref[...]  # [C]
-            scores = dots.bulk(q, k, _NT) * _decay(G, G, rows[:, None] >= rows[None, :], channel=False)
-            o = dots.bulk(q.astype(_F32) * jnp.exp(G)[:, None], state) + dots.bulk(scores, v_new)
-            plt.store(o_ref.at[pl.ds(start, chunk), h, cols], (scale * o).astype(o_ref.dtype),
-                      mask=row_mask(rows, length, (chunk, block_v)))
-            return
-        all_rows = jnp.arange(chunk, dtype=jnp.int32)
-        sub_rows = jnp.arange(SUB, dtype=jnp.int32)
-        k_all = _load_tokens(k_ref.at[pl.ds(start, chunk), hk, :], all_rows, length, (chunk, head_k))
-        G_all = G_ref[...]  # [C, K]
-        for I in range(chunk // SUB):
-            rows = I * SUB + sub_rows
-            q_I = _load_tokens(q_ref.at[pl.ds(start + I * SUB, SUB), hk, :], rows, length, (SUB, head_k))
-            G_I = G_ref[pl.ds(I * SUB, SUB), :]
-            row_at = functools.partial(_key_row, k_ref, start + I * SUB, hk)
-            scores = _diag_scores(q_I, G_I, row_at, G_ref, I * SUB, length, inclusive=True, width=chunk,
-                                  col_offset=I * SUB)  # [SUB, C]
-            if I > 0:
-                G_r = G_ref[I * SUB, :]
-                a = q_I * jnp.exp(G_I - G_r[None, :])
-                b = k_all * _decay(G_r[None, :], G_all, (all_rows < I * SUB)[:, None], channel=True)
-                scores = scores + dots.exact(a, b, _NT)
-            o_I = dots.bulk(q_I * jnp.exp(G_I), state) + dots.bulk(scores, v_new)
-            plt.store(o_ref.at[pl.ds(start + I * SUB, SUB), h, cols], (scale * o_I).astype(o_ref.dtype),
-                      mask=row_mask(rows, length, (SUB, block_v)))
-
-
 def _doubling_inverse(A):
     """(I + A)^-1 of a strictly lower-triangular [SUB, SUB] tile by recursive doubling, no loop.
 
@@ -370,11 +175,11 @@ def _doubling_inverse(A):
     return T
 
 
-def _write_wy(A, kb_blk, vb_blk, w_ref, u_ref, *, nb, dots, diag_inverse):
-    """T = (I + A)^-1 block by block (diagonal blocks by `diag_inverse`), then w = T (beta K), u = T (beta V)."""
+def _write_wy(A, kb_blk, vb_blk, w_ref, u_ref, *, nb, dots):
+    """T = (I + A)^-1 block by block (diagonal blocks by `_doubling_inverse`), then w = T (beta K), u = T (beta V)."""
     T = {}
     for I in range(nb):
-        T[I, I] = diag_inverse(A[I, I])
+        T[I, I] = _doubling_inverse(A[I, I])
         for J in range(I):
             acc = sum(dots.exact(A[I, m], T[m, J]) for m in range(J, I))
             T[I, J] = -dots.exact(T[I, I], acc)
@@ -395,7 +200,7 @@ def _half_pairs(rows, s):
     return same & lower[:, None] & ~lower[None, :]
 
 
-def _diag_block_scores(lhs, k_I, G_I, G_rows, dots, exp=jnp.exp):
+def _diag_block_scores(lhs, k_I, G_I, G_rows, dots):
     """Exact per-channel scores sum_c a_ic k_jc exp(G_ic - G_jc), j < i, of one diagonal [SUB, SUB] block per a in lhs.
 
     Every strictly-lower pair lies in exactly one (lower half, upper half) quadrant of a 2s-row block, s in
@@ -409,7 +214,7 @@ def _diag_block_scores(lhs, k_I, G_I, G_rows, dots, exp=jnp.exp):
         ref = rows // (2 * s) * (2 * s) + s
         lower = (rows % (2 * s) >= s)[:, None]
         G_r = G_rows(ref)  # [SUB, K]
-        e = exp(jnp.where(lower, G_I - G_r, G_r - G_I))  # both exponents <= 0
+        e = _exp(jnp.where(lower, G_I - G_r, G_r - G_I))  # both exponents <= 0
         b = k_I * jnp.where(lower, 0.0, e)
         keep = _half_pairs(rows, s)
         outs = [o + jnp.where(keep, dots.exact(a * jnp.where(lower, e, 0.0), b, _NT), 0.0) for o, a in zip(outs, lhs)]
@@ -417,15 +222,16 @@ def _diag_block_scores(lhs, k_I, G_I, G_rows, dots, exp=jnp.exp):
 
 
 def _intra_kernel_v2(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref, aqk_ref,
-                     *, chunk, group, channel, scale, dots):
+                     *, chunk, group, scale, dots):
+    """GDN's intra pass (module docstring, step 2), grid (chunk, value head)."""
     c, h = pl.program_id(0), pl.program_id(1)
     hk = h // group
     start, length = start_ref[c], len_ref[c]
     head_k, head_v = k_ref.shape[-1], v_ref.shape[-1]
     nb = chunk // SUB
     sub_rows = jnp.arange(SUB, dtype=jnp.int32)
-    G_last = G_ref[chunk - 1, :] if channel else G_ref[chunk - 1]  # padded rows have g = 0: the last real token's
-    k_blk, q_blk, kf_blk, qf_blk, kb_blk, vb_blk, b_blk, G_blk = [], [], [], [], [], [], [], []
+    G_last = G_ref[chunk - 1]  # padded rows have g = 0: the last real token's
+    k_blk, q_blk, kb_blk, vb_blk, b_blk, G_blk = [], [], [], [], [], []
     for J in range(nb):
         rows = J * SUB + sub_rows
         mask = row_mask(rows, length, (SUB, head_k))
@@ -433,16 +239,13 @@ def _intra_kernel_v2(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w
         q_J = plt.load(q_ref.at[pl.ds(start + J * SUB, SUB), hk, :], mask=mask, other=0)
         v_J = _load_tokens(v_ref.at[pl.ds(start + J * SUB, SUB), h, :], rows, length, (SUB, head_v))
         b_J = _load_tokens(beta_ref.at[pl.ds(start + J * SUB, SUB), h], rows, length, (SUB,))
-        G_J = G_ref[pl.ds(J * SUB, SUB), :] if channel else G_ref[pl.ds(J * SUB, SUB)]
-        gamma = jnp.exp(G_J) if channel else jnp.exp(G_J)[:, None]
-        to_last = jnp.exp(G_last[None, :] - G_J) if channel else jnp.exp(G_last - G_J)[:, None]
-        kf, qf = k_J.astype(_F32), q_J.astype(_F32)
-        kd_ref[pl.ds(J * SUB, SUB), :] = (kf * to_last).astype(kd_ref.dtype)
-        qg_ref[pl.ds(J * SUB, SUB), :] = (scale * qf * gamma).astype(qg_ref.dtype)
+        G_J = G_ref[pl.ds(J * SUB, SUB)]
+        gamma = jnp.exp(G_J)[:, None]
+        kf = k_J.astype(_F32)
+        kd_ref[pl.ds(J * SUB, SUB), :] = (kf * jnp.exp(G_last - G_J)[:, None]).astype(kd_ref.dtype)
+        qg_ref[pl.ds(J * SUB, SUB), :] = (scale * q_J.astype(_F32) * gamma).astype(qg_ref.dtype)
         k_blk.append(k_J)
         q_blk.append(q_J)
-        kf_blk.append(kf)
-        qf_blk.append(qf)
         b_blk.append(b_J)
         G_blk.append(G_J)
         kb_blk.append(b_J[:, None] * gamma * kf)
@@ -450,39 +253,22 @@ def _intra_kernel_v2(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w
 
     A = {}
     for I in range(nb):
-        if channel:
-            G_r = G_ref[I * SUB, :]  # [K] reference row of the off-diagonal blocks: the first row of block I
-            to_r = jnp.exp(G_blk[I] - G_r[None, :])
-            G_rows = functools.partial(_gather_rows, G_ref, I * SUB)
-            kk, qk = _diag_block_scores([kf_blk[I], qf_blk[I]], kf_blk[I], G_blk[I], G_rows, dots)
-            qk = qk + jnp.where(sub_rows[:, None] == sub_rows[None, :],
-                                jnp.sum(qf_blk[I] * kf_blk[I], axis=1)[:, None], 0.0)
-        else:
-            kk = dots.bulk(k_blk[I], k_blk[I], _NT) * _decay(G_blk[I], G_blk[I], sub_rows[:, None] > sub_rows[None, :],
-                                                             channel=False)
-            qk = dots.bulk(q_blk[I], k_blk[I], _NT) * _decay(G_blk[I], G_blk[I],
-                                                             sub_rows[:, None] >= sub_rows[None, :], channel=False)
+        kk = dots.bulk(k_blk[I], k_blk[I], _NT) * _decay(G_blk[I], G_blk[I], sub_rows[:, None] > sub_rows[None, :],
+                                                         channel=False)
+        qk = dots.bulk(q_blk[I], k_blk[I], _NT) * _decay(G_blk[I], G_blk[I], sub_rows[:, None] >= sub_rows[None, :],
+                                                         channel=False)
         A[I, I] = b_blk[I][:, None] * kk
         aqk_ref[pl.ds(I * SUB, SUB), pl.ds(I * SUB, SUB)] = (scale * qk).astype(aqk_ref.dtype)
         for J in range(I):
-            if channel:
-                b = kf_blk[J] * jnp.exp(G_r[None, :] - G_blk[J])
-                kk = dots.exact(kf_blk[I] * to_r, b, _NT)
-                qk = dots.exact(qf_blk[I] * to_r, b, _NT)
-            else:
-                decay = _decay(G_blk[I], G_blk[J], channel=False)
-                kk = dots.bulk(k_blk[I], k_blk[J], _NT) * decay
-                qk = dots.bulk(q_blk[I], k_blk[J], _NT) * decay
+            decay = _decay(G_blk[I], G_blk[J], channel=False)
+            kk = dots.bulk(k_blk[I], k_blk[J], _NT) * decay
+            qk = dots.bulk(q_blk[I], k_blk[J], _NT) * decay
             A[I, J] = b_blk[I][:, None] * kk
             aqk_ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] = (scale * qk).astype(aqk_ref.dtype)
         for J in range(I + 1, nb):
             aqk_ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
 
-    _write_wy(A, kb_blk, vb_blk, w_ref, u_ref, nb=nb, dots=dots, diag_inverse=_doubling_inverse)
-
-
-def _gather_rows(G_ref, base, idx):
-    return G_ref[base + idx, :]
+    _write_wy(A, kb_blk, vb_blk, w_ref, u_ref, nb=nb, dots=dots)
 
 
 _LOG2E = 1.4426950408889634
@@ -523,32 +309,14 @@ class _KdaChunk:
     def gates(self, J, cols):
         return self.G_ref[pl.ds(J * SUB, SUB), cols]
 
-    def key_row(self, row, cols):
-        valid = jnp.broadcast_to(row < self.length, (self.block_k,))
-        return plt.load(self.k_ref.at[self.start + row, self.hk, cols], mask=valid, other=0).astype(_F32)
 
-
-def _kda_diag_scores(chunk, I, cols, k_I, q_I, G_I, *, method, dots):
-    """Diagonal block I of the key and query scores over the columns `cols`, exact: (kk strictly lower, qk lower).
-
-    method "doubling": `_diag_block_scores` (4 levels, one exp of [SUB, BK] and two dots each); "pairs": the direct
-    per-pair form, one key row j at a time (16 steps of one exp of [SUB, BK] and two row sums, no dot).
-    """
+def _kda_diag_scores(chunk, I, cols, k_I, q_I, G_I, *, dots):
+    """Diagonal block I of the key and query scores over the columns `cols`, exact: (kk strictly lower, qk lower), by
+    `_diag_block_scores` (4 levels, one exp of [SUB, BK] and two dots each)."""
     rows = chunk.rows
-    diagonal = rows[:, None] == rows[None, :]
-    if method == "doubling":
-        G_rows = lambda idx: chunk.G_ref[I * SUB + idx, cols]
-        kk, qk = _diag_block_scores([k_I, q_I], k_I, G_I, G_rows, dots, exp=_exp)
-        return kk, qk + jnp.where(diagonal, jnp.sum(q_I * k_I, axis=1)[:, None], 0.0)
-    kk = qk = jnp.zeros((SUB, SUB), _F32)
-    for j in range(SUB):
-        row = I * SUB + j
-        G_j = chunk.G_ref[row, cols][None, :]
-        k_j = chunk.key_row(row, cols)[None, :] * _exp(jnp.where((rows >= j)[:, None], G_I - G_j, -jnp.inf))
-        at_j = rows[None, :] == j
-        kk = jnp.where(at_j & (rows > j)[:, None], jnp.sum(k_I * k_j, axis=1)[:, None], kk)
-        qk = jnp.where(at_j, jnp.sum(q_I * k_j, axis=1)[:, None], qk)
-    return kk, qk
+    G_rows = lambda idx: chunk.G_ref[I * SUB + idx, cols]
+    kk, qk = _diag_block_scores([k_I, q_I], k_I, G_I, G_rows, dots)
+    return kk, qk + jnp.where(rows[:, None] == rows[None, :], jnp.sum(q_I * k_I, axis=1)[:, None], 0.0)
 
 
 def _kda_write_row_block(chunk, I, cols, k_I, q_I, G_I, kd_ref, qg_ref, *, last, scale):
@@ -588,73 +356,9 @@ def _kda_solve_row_block(chunk, I, A, T, w_ref, u_ref, *, head_k, head_v, dots):
     jax.lax.fori_loop(0, head_v // block_k, u_step, 0)
 
 
-def _kda_intra_kernel_streamed(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref,
-                               aqk_ref, *, chunk, group, scale, block_k, diag, dots):
-    """`kda_intra="streamed"`, grid (chunk, value head): `_intra_kernel_v2`'s outputs in one launch, small tiles.
-
-    Row block I (a static loop) runs
-      1. its scores against every block J <= I (`_kda_row_block_scores`), accumulated over K column blocks of
-         `block_k` (a loop): per column block q_I, k_I, G_I and the k_J, G_J of the earlier blocks are loaded again,
-         never held (KD and QG rows are written on the way); only the 16x16 accumulators are carried;
-      2. its row block of T, W and U (`_kda_solve_row_block`).
-    Only the 16x16 blocks of T (at most 10) live across row blocks.
-
-    Off-diagonal block (I, J), J < I, reference row r = I * SUB (the first row of block I): for i in I and j in J,
-    G_i - G_r <= 0 (i >= r) and G_r - G_j <= 0 (r > j), so both factors of exp(G_i - G_j) = exp(G_i - G_r)
-    exp(G_r - G_j) lie in (0, 1] and their product is the exact score (an underflowed factor stands for a score
-    below e^-87 |k_i| |k_j|). Diagonal blocks: `_kda_diag_scores`.
-    """
-    c, h = pl.program_id(0), pl.program_id(1)
-    head_k, head_v = k_ref.shape[-1], v_ref.shape[-1]
-    ck = _KdaChunk(start_ref[c], len_ref[c], q_ref, k_ref, v_ref, beta_ref, G_ref, h=h, group=group, block_k=block_k)
-    T = {}
-    for I in range(chunk // SUB):
-        scores = _kda_row_block_scores(ck, I, kd_ref, qg_ref, chunk=chunk, scale=scale, diag=diag, dots=dots)
-        b_I = ck.beta(I)
-        _kda_write_query_scores(I, scores, aqk_ref, chunk=chunk, scale=scale)
-        _kda_solve_row_block(ck, I, [b_I * kk for kk, _ in scores], T, w_ref, u_ref, head_k=head_k, head_v=head_v,
-                             dots=dots)
-
-
-def _kda_row_block_scores(ck, I, kd_ref, qg_ref, *, chunk, scale, diag, dots):
-    """[(kk, qk)] for J <= I: row block I's key and query scores against block J (16x16 each, no beta, no scale).
-
-    A loop over the K column blocks: per column block q_I, k_I, G_I are loaded once, KD and QG rows written, the
-    diagonal block formed by `_kda_diag_scores` and each off-diagonal block J < I by one dot of the rebased tiles
-    (reference row r = I * SUB; the k_J, G_J are loaded again rather than held).
-    """
-    block_k, head_k = ck.block_k, ck.k_ref.shape[-1]
-    zeros = jnp.zeros((SUB, SUB), _F32)
-
-    def step(kb, acc):
-        cols = pl.ds(kb * block_k, block_k)
-        k_I, q_I, G_I = ck.key(I, cols), ck.query(I, cols), ck.gates(I, cols)
-        _kda_write_row_block(ck, I, cols, k_I, q_I, G_I, kd_ref, qg_ref, last=chunk - 1, scale=scale)
-        kk, qk = _kda_diag_scores(ck, I, cols, k_I, q_I, G_I, method=diag, dots=dots)
-        acc = list(acc)
-        acc[I] = (acc[I][0] + kk, acc[I][1] + qk)
-        if I > 0:
-            G_r = ck.G_ref[I * SUB, cols][None, :]  # reference row of the off-diagonal blocks of row block I
-            to_r = _exp(G_I - G_r)
-            a_k, a_q = k_I * to_r, q_I * to_r
-            for J in range(I):
-                b = ck.key(J, cols) * _exp(G_r - ck.gates(J, cols))
-                acc[J] = (acc[J][0] + dots.exact(a_k, b, _NT), acc[J][1] + dots.exact(a_q, b, _NT))
-        return tuple(acc)
-
-    return jax.lax.fori_loop(0, head_k // block_k, step, ((zeros, zeros),) * (I + 1))
-
-
-def _kda_write_query_scores(I, scores, aqk_ref, *, chunk, scale):
-    """Row block I of the stored query scores: scale * qk for J <= I, zeros above the diagonal."""
-    for J in range(chunk // SUB):
-        qk = scale * scores[J][1] if J <= I else jnp.zeros((SUB, SUB), _F32)
-        aqk_ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] = qk.astype(aqk_ref.dtype)
-
-
 def _kda_scores_kernel(start_ref, len_ref, q_ref, k_ref, beta_ref, G_ref, akk_ref, aqk_ref, kd_ref, qg_ref, *, chunk,
-                       group, scale, block_k, diag, dots):
-    """`kda_intra="split"`, first launch, grid (chunk, value head, row block I): its scores.
+                       group, scale, block_k, dots):
+    """KDA's intra pass, launch A, grid (chunk, value head, row block I): its scores.
 
     Writes the beta-scaled key scores A_IJ (fp32, J <= I; the blocks above are never read), the query scores
     scale Aqk_IJ (zeros above the diagonal) and row block I of KD and QG. Per block J a loop over K column blocks
@@ -673,7 +377,7 @@ def _kda_scores_kernel(start_ref, len_ref, q_ref, k_ref, beta_ref, G_ref, akk_re
         cols = pl.ds(kb * block_k, block_k)
         k_I, q_I, G_I = ck.key(I, cols), ck.query(I, cols), ck.gates(I, cols)
         _kda_write_row_block(ck, I, cols, k_I, q_I, G_I, kd_ref, qg_ref, last=chunk - 1, scale=scale)
-        kk, qk = _kda_diag_scores(ck, I, cols, k_I, q_I, G_I, method=diag, dots=dots)
+        kk, qk = _kda_diag_scores(ck, I, cols, k_I, q_I, G_I, dots=dots)
         return acc[0] + kk, acc[1] + qk
 
     kk, qk = columns(diag_step, (zeros, zeros))
@@ -683,7 +387,7 @@ def _kda_scores_kernel(start_ref, len_ref, q_ref, k_ref, beta_ref, G_ref, akk_re
     def off_diagonal(J, carry):
         def step(kb, acc):
             cols = pl.ds(kb * block_k, block_k)
-            G_r = G_ref[I * SUB, cols][None, :]  # the first row of block I: both factors <= 1 (streamed kernel)
+            G_r = G_ref[I * SUB, cols][None, :]  # the first row of block I: both factors <= 1
             to_r = _exp(ck.gates(I, cols) - G_r)
             b = ck.key(J, cols) * _exp(G_r - ck.gates(J, cols))
             return (acc[0] + dots.exact(ck.key(I, cols) * to_r, b, _NT),
@@ -704,7 +408,7 @@ def _kda_scores_kernel(start_ref, len_ref, q_ref, k_ref, beta_ref, G_ref, akk_re
 
 def _kda_solve_kernel(start_ref, len_ref, k_ref, v_ref, beta_ref, G_ref, akk_ref, w_ref, u_ref, *, chunk, group,
                       block_k, dots):
-    """`kda_intra="split"`, second launch, grid (chunk, value head): T, W and U from the stored key scores."""
+    """KDA's intra pass, launch B, grid (chunk, value head): T, W and U from the stored key scores."""
     c, h = pl.program_id(0), pl.program_id(1)
     head_k, head_v = k_ref.shape[-1], v_ref.shape[-1]
     ck = _KdaChunk(start_ref[c], len_ref[c], None, k_ref, v_ref, beta_ref, G_ref, h=h, group=group, block_k=block_k)
@@ -714,7 +418,7 @@ def _kda_solve_kernel(start_ref, len_ref, k_ref, v_ref, beta_ref, G_ref, akk_ref
         _kda_solve_row_block(ck, I, A, T, w_ref, u_ref, head_k=head_k, head_v=head_v, dots=dots)
 
 
-def _state_kernel_v2(*refs, chunk, group, channel, block_v, has_initial, has_checkpoints, fused, dots,
+def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkpoints, fused, dots,
                      checkpoint_pass="in_loop"):
     refs = list(refs)
     take = lambda count: [refs.pop(0) for _ in range(count)]
@@ -776,7 +480,7 @@ def _state_kernel_v2(*refs, chunk, group, channel, block_v, has_initial, has_che
 
     def step_storing_entries(i, carry):
         # the next checkpoint chunk rides in the carry, loaded one step ahead: the masked store's mask comes from
-        # registers, so no step waits on a metadata load; `_checkpoint_kernel_v2` finishes the export
+        # registers, so no step waits on a metadata load; `_checkpoint_kernel` finishes the export
         S, s, next_chunk = carry
         at_checkpoint = first + i == next_chunk
         slot = jnp.minimum(s, ckpt_ref.shape[0] - 1)  # past a row's last checkpoint the mask is off anyway
@@ -822,7 +526,7 @@ def _checkpoints_in_chunk(base, count, pos_ref, ckpt_ref, S, k_c, G_c, v_new, *,
     jax.lax.fori_loop(base, base + count, step, 0)
 
 
-def _checkpoint_kernel_v2(valid_ref, ck_chunk_ref, ck_pos_ref, start_ref, len_ref, entry_slot_ref, k_ref, G_ref, w_ref,
+def _checkpoint_kernel(valid_ref, ck_chunk_ref, ck_pos_ref, start_ref, len_ref, entry_slot_ref, k_ref, G_ref, w_ref,
                           u_ref, entry_ref, ckpt_ref, *, chunk, group, channel, block_v, dots):
     """`checkpoint_pass="after"`, grid (checkpoint, value head, V block): v_new of the checkpoint's chunk again from
     its fp32 entry state (entry_slot: the chunk's rank among the distinct checkpoint chunks; the same product as
@@ -842,7 +546,7 @@ def _checkpoint_kernel_v2(valid_ref, ck_chunk_ref, ck_pos_ref, start_ref, len_re
                               channel=channel, dots=dots)
 
 
-def _output_kernel_v2(start_ref, len_ref, qg_ref, aqk_ref, h_ref, vnew_ref, o_ref, *, chunk, block_v, dots):
+def _output_kernel(start_ref, len_ref, qg_ref, aqk_ref, h_ref, vnew_ref, o_ref, *, chunk, block_v, dots):
     c, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length = start_ref[c], len_ref[c]
     rows = jnp.arange(chunk, dtype=jnp.int32)
@@ -906,15 +610,13 @@ class Prepared(NamedTuple):
 
 def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seqlens, checkpoint_cu,
             checkpoint_offsets, chunk_size, interpret, intra_num_warps=4, num_stages=2) -> Prepared:
-    """Metadata, input casts and the gate cumsum launch (`_cumsum_kernel`), shared by both versions' later passes."""
+    """Metadata, input casts and the gate cumsum launch (`_cumsum_kernel`): what `delta_rule`'s later passes and
+    `pallas_mosaic_gpu_delta` start from."""
     num_tokens, _, head_k = q.shape
-    num_v_heads = v.shape[1]
     chunk = chunk_size
-    channel = per_channel_decay
     if scale is None:
         scale = head_k ** -0.5
-    io_dtype = jnp.promote_types(k.dtype, v.dtype)
-    io_dtype = _F32 if jnp.dtype(io_dtype).itemsize >= 4 else jnp.dtype(io_dtype)
+    io_dtype = _io_dtype(k, v)
     cu_seqlens, checkpoint_cu, checkpoint_offsets = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets,
                                                                     num_tokens)
     if use_qk_l2norm:
@@ -926,80 +628,111 @@ def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seq
         q, k, v, g, beta = (jnp.zeros((1, *x.shape[1:]), x.dtype) for x in (q, k, v, g, beta))
     lay = chunk_layout(cu_seqlens, checkpoint_cu, checkpoint_offsets, chunk_size=chunk, num_tokens=q.shape[0],
                        xp=jnp)
-    num_chunks = lay.chunk_len.shape[0]
-    g_tail = (head_k,) if channel else ()
-    G = pl.pallas_call(
+    G = gate_cumsum(lay.chunk_start, lay.chunk_len, g, per_channel_decay=per_channel_decay, chunk=chunk,
+                    interpret=interpret, num_warps=intra_num_warps, num_stages=num_stages)
+    return Prepared(q, k, v, beta, G, lay, cu_seqlens, checkpoint_cu, float(scale), io_dtype)
+
+
+def _io_dtype(k, v):
+    """The dtype of the stored intermediates: promote(k, v), fp32 if that is 32 bits or wider."""
+    io_dtype = jnp.promote_types(k.dtype, v.dtype)
+    return _F32 if jnp.dtype(io_dtype).itemsize >= 4 else jnp.dtype(io_dtype)
+
+
+def gate_cumsum(chunk_start, chunk_len, g, *, per_channel_decay, chunk, interpret=False, num_warps=4, num_stages=2):
+    """G, the chunk-local inclusive cumulative log decay (`_cumsum_kernel`, module docstring step 1).
+
+    chunk_start, chunk_len  # i32[NC] from `jaxckpt.plan.layout.chunk_layout`
+    g                       # fp32 [T, HV] (GDN) or [T, HV, K] (KDA, `per_channel_decay`): log decay <= 0
+    Returns fp32 [HV, NC, C] or [HV, NC, C, K], chunk-major; rows past a chunk's length repeat its last value.
+    """
+    channel = per_channel_decay
+    num_chunks, num_v_heads = chunk_start.shape[0], g.shape[1]
+    g_tail = (g.shape[2],) if channel else ()
+    return pl.pallas_call(
         functools.partial(_cumsum_kernel, chunk=chunk, channel=channel),
         out_shape=jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, *g_tail), _F32),
         grid=(num_chunks, num_v_heads), in_specs=[pl.BlockSpec()] * 3, out_specs=_G_block(chunk, g_tail),
-        compiler_params=plt.CompilerParams(num_stages=num_stages, num_warps=intra_num_warps), interpret=interpret,
+        compiler_params=plt.CompilerParams(num_stages=num_stages, num_warps=num_warps), interpret=interpret,
         name="delta_gate_cumsum",
-    )(lay.chunk_start, lay.chunk_len, g)
-    return Prepared(q, k, v, beta, G, lay, cu_seqlens, checkpoint_cu, float(scale), io_dtype)
+    )(chunk_start, chunk_len, g)
 
 
 def _G_block(chunk, g_tail):
     return pl.BlockSpec((None, None, chunk, *g_tail), lambda c, h: (h, c, 0, *(0,) * len(g_tail)))
 
 
+def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, interpret=False, num_warps=4,
+              num_stages=2):
+    """GDN's intra pass (`_intra_kernel_v2`, module docstring step 2): W, U, KD, QG and AQK of every chunk.
+
+    chunk_start, chunk_len  # i32[NC] from `jaxckpt.plan.layout.chunk_layout` (a row's chunks restart at its start)
+    q, k                    # [T, H, K] in the I/O dtype (promote(k, v); fp32 if that is 32 bits or wider)
+    v                       # [T, HV, V]
+    beta                    # [T, HV]
+    G                       # fp32 [HV, NC, C]: `gate_cumsum`
+    `group` = HV // H, `scale` a Python number. Returns (w [HV, NC, C, K], u [HV, NC, C, V], kd [HV, NC, C, K],
+    qg [HV, NC, C, K], aqk [HV, NC, C, C]), chunk-major in the I/O dtype, padding rows zero.
+    """
+    io_dtype = _io_dtype(k, v)
+    num_chunks, num_v_heads = chunk_start.shape[0], v.shape[1]
+    widths = (k.shape[-1], v.shape[-1], k.shape[-1], k.shape[-1], chunk)
+    full = pl.BlockSpec()
+    return pl.pallas_call(
+        functools.partial(_intra_kernel_v2, chunk=chunk, group=group, scale=scale, dots=Dots(io_dtype)),
+        out_shape=tuple(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), io_dtype) for width in widths),
+        grid=(num_chunks, num_v_heads), in_specs=[full] * 6 + [_G_block(chunk, ())],
+        out_specs=tuple(_chunk_block(chunk, width) for width in widths),
+        compiler_params=plt.CompilerParams(num_stages=num_stages, num_warps=num_warps), interpret=interpret,
+        name="delta_intra",
+    )(chunk_start, chunk_len, q, k, v, beta, G)
+
+
+def _chunk_block(chunk, width):
+    return pl.BlockSpec((None, None, chunk, width), lambda c, h: (h, c, 0, 0))
+
+
 def intra_v2(p: Prepared, *, per_channel_decay, chunk_size, interpret, intra_num_warps=4, num_stages=2,
-             kda_intra="split", kda_diag="doubling", kda_block_k=None):
-    """Version 2's intra launch(es): (w, u, kd, qg, aqk), chunk-major [HV, NC, C, K | V | C] in the io dtype."""
+             kda_block_k=None):
+    """The intra launch(es) of `delta_rule`: (w, u, kd, qg, aqk), chunk-major [HV, NC, C, K | V | C] in the io dtype."""
     head_k = p.q.shape[-1]
     num_v_heads, head_v = p.v.shape[1:]
     group = num_v_heads // p.q.shape[1]
     chunk = chunk_size
-    channel = per_channel_decay
-    num_chunks = p.lay.chunk_len.shape[0]
-    dots = Dots(p.io_dtype)
-    full = pl.BlockSpec()
-    G_block = _G_block(chunk, (head_k,) if channel else ())
-    params = functools.partial(plt.CompilerParams, num_stages=num_stages, num_warps=intra_num_warps)
-    chunk_block = lambda width: pl.BlockSpec((None, None, chunk, width), lambda c, h: (h, c, 0, 0))
-    chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), p.io_dtype)
     starts = (p.lay.chunk_start, p.lay.chunk_len)
-    kda_block_k = kda_block_k or min(head_k, head_v, 32)
-    kda_options = dict(chunk=chunk, group=group, block_k=kda_block_k, dots=dots)
-    if channel and kda_intra == "split":
-        by_row_block = lambda c, h, i: (h, c, 0, 0)
-        akk, aqk, kd, qg = pl.pallas_call(
-            functools.partial(_kda_scores_kernel, scale=p.scale, diag=kda_diag, **kda_options),
-            out_shape=(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, chunk), _F32), chunk_array(chunk),
-                       chunk_array(head_k), chunk_array(head_k)),
-            grid=(num_chunks, num_v_heads, chunk // SUB),
-            in_specs=[full] * 5 + [pl.BlockSpec((None, None, chunk, head_k), by_row_block)],
-            out_specs=tuple(pl.BlockSpec((None, None, chunk, width), by_row_block)
-                            for width in (chunk, chunk, head_k, head_k)),
-            compiler_params=params(), interpret=interpret, name="delta_intra_scores",
-        )(*starts, p.q, p.k, p.beta, p.G)
-        w, u = pl.pallas_call(
-            functools.partial(_kda_solve_kernel, **kda_options),
-            out_shape=(chunk_array(head_k), chunk_array(head_v)),
-            grid=(num_chunks, num_v_heads), in_specs=[full] * 5 + [G_block, chunk_block(chunk)],
-            out_specs=(chunk_block(head_k), chunk_block(head_v)),
-            compiler_params=params(), interpret=interpret, name="delta_intra_solve",
-        )(*starts, p.k, p.v, p.beta, p.G, akk)
-        return w, u, kd, qg, aqk
-    if channel and kda_intra == "streamed":
-        intra = functools.partial(_kda_intra_kernel_streamed, scale=p.scale, diag=kda_diag, **kda_options)
-    else:
-        intra = functools.partial(_intra_kernel_v2, chunk=chunk, group=group, channel=channel, scale=p.scale,
-                                  dots=dots)
-    return pl.pallas_call(
-        intra, grid=(num_chunks, num_v_heads), in_specs=[full] * 6 + [G_block],
-        out_shape=(chunk_array(head_k), chunk_array(head_v), chunk_array(head_k), chunk_array(head_k),
-                   chunk_array(chunk)),
-        out_specs=(chunk_block(head_k), chunk_block(head_v), chunk_block(head_k), chunk_block(head_k),
-                   chunk_block(chunk)),
-        compiler_params=params(), interpret=interpret, name="delta_intra",
-    )(*starts, p.q, p.k, p.v, p.beta, p.G)
+    if not per_channel_decay:
+        return gdn_intra(*starts, p.q, p.k, p.v, p.beta, p.G, chunk=chunk, group=group, scale=p.scale,
+                         interpret=interpret, num_warps=intra_num_warps, num_stages=num_stages)
+    num_chunks = p.lay.chunk_len.shape[0]
+    full = pl.BlockSpec()
+    params = plt.CompilerParams(num_stages=num_stages, num_warps=intra_num_warps)
+    chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), p.io_dtype)
+    kda_options = dict(chunk=chunk, group=group, block_k=kda_block_k or min(head_k, head_v, 32), dots=Dots(p.io_dtype))
+    by_row_block = lambda c, h, i: (h, c, 0, 0)
+    akk, aqk, kd, qg = pl.pallas_call(
+        functools.partial(_kda_scores_kernel, scale=p.scale, **kda_options),
+        out_shape=(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, chunk), _F32), chunk_array(chunk),
+                   chunk_array(head_k), chunk_array(head_k)),
+        grid=(num_chunks, num_v_heads, chunk // SUB),
+        in_specs=[full] * 5 + [pl.BlockSpec((None, None, chunk, head_k), by_row_block)],
+        out_specs=tuple(pl.BlockSpec((None, None, chunk, width), by_row_block)
+                        for width in (chunk, chunk, head_k, head_k)),
+        compiler_params=params, interpret=interpret, name="delta_intra_scores",
+    )(*starts, p.q, p.k, p.beta, p.G)
+    w, u = pl.pallas_call(
+        functools.partial(_kda_solve_kernel, **kda_options),
+        out_shape=(chunk_array(head_k), chunk_array(head_v)),
+        grid=(num_chunks, num_v_heads), in_specs=[full] * 5 + [_G_block(chunk, (head_k,)), _chunk_block(chunk, chunk)],
+        out_specs=(_chunk_block(chunk, head_k), _chunk_block(chunk, head_v)),
+        compiler_params=params, interpret=interpret, name="delta_intra_solve",
+    )(*starts, p.k, p.v, p.beta, p.G, akk)
+    return w, u, kd, qg, aqk
 
 
 def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm=False, initial_state=None,
                cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
                interpret=False, num_warps=4, num_stages=2, block_v=None, intra_num_warps=4, output_block_v=None,
-               version=2, fuse_output=False, kda_intra="split", kda_diag="doubling", kda_block_k=None,
-               checkpoint_pass="in_loop"):
+               fuse_output=False, kda_block_k=None, checkpoint_pass="in_loop"):
     """The gated delta rule over packed varlen rows with checkpoint states, as four or five Pallas Triton launches.
 
     q, k                # [T, H, K]
@@ -1011,15 +744,12 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     checkpoint_cu       # i32[N + 1] with checkpoint_offsets i32[M]; both None = no checkpoints
     Inputs are checked by the op wrappers; metadata values are trusted. `scale` is a Python number (None: K^-1/2).
     Tuning: num_warps / num_stages (state and output kernels), intra_num_warps, block_v (state pass V tile,
-    default min(V, 64)), output_block_v (output kernel V tile, default min(V, 64); version 1 KDA: V, its query
-    scores are rebuilt per V tile), version (2: the kernels of the module docstring, 1: the first design, kept for
-    comparison), fuse_output (version 2: the state pass writes O itself, three launches); KDA with version 2 only:
-    kda_intra ("split" default, "resident", "streamed": the intra pass, see the module docstring), kda_diag
-    ("doubling" default or "pairs": how the diagonal score blocks are formed, split and streamed only), kda_block_k
-    (split and streamed: the K / V column block, default min(K, V, 32)); version 2: checkpoint_pass ("in_loop":
-    the state pass exports inside its segmented loop; "after": one plain loop that stores the fp32 entry state of
-    each checkpoint chunk by a masked store, the next checkpoint chunk carried one step ahead, and one small launch
-    over the checkpoints finishes the export).
+    default min(V, 64)), output_block_v (output kernel V tile, default min(V, 64)), fuse_output (the state pass
+    writes O itself, three launches); KDA only: kda_block_k (the intra pass's K / V column block, default
+    min(K, V, 32)); checkpoint_pass
+    ("in_loop": the state pass exports inside its segmented loop; "after": one plain loop that stores the fp32 entry
+    state of each checkpoint chunk by a masked store, the next checkpoint chunk carried one step ahead, and one
+    small launch over the checkpoints finishes the export).
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padded checkpoint entries are unspecified.
@@ -1032,7 +762,7 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     channel = per_channel_decay
     out_dtype = v.dtype
     block_v = block_v or min(head_v, 64)
-    output_block_v = output_block_v or (head_v if channel and version == 1 else min(head_v, 64))
+    output_block_v = output_block_v or min(head_v, 64)
     p = prepare(q, k, v, g, beta, per_channel_decay=channel, scale=scale, use_qk_l2norm=use_qk_l2norm,
                 cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets,
                 chunk_size=chunk, interpret=interpret, intra_num_warps=intra_num_warps, num_stages=num_stages)
@@ -1045,9 +775,7 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     ck_pos = jnp.concatenate([lay.checkpoint_pos, jnp.zeros(1, jnp.int32)])  # never empty
 
     full = pl.BlockSpec()
-    g_tail = (head_k,) if channel else ()
     params = functools.partial(plt.CompilerParams, num_stages=num_stages)
-    chunk_block = lambda width: pl.BlockSpec((None, None, chunk, width), lambda c, h: (h, c, 0, 0))
     chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), io_dtype)
     init = None
     if initial_state is not None:
@@ -1060,82 +788,51 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     state_grid = (num_rows, num_v_heads, head_v // block_v)
     bv = output_block_v
 
-    if version == 1:
-        w, u = pl.pallas_call(
-            functools.partial(_intra_kernel, chunk=chunk, group=group, channel=channel, dots=dots),
-            out_shape=(chunk_array(head_k), chunk_array(head_v)),
-            grid=(num_chunks, num_v_heads), in_specs=[full, full, full, full, full, _G_block(chunk, g_tail)],
-            out_specs=(chunk_block(head_k), chunk_block(head_v)),
-            compiler_params=params(num_warps=intra_num_warps), interpret=interpret, name="delta_intra",
-        )(lay.chunk_start, lay.chunk_len, k, v, beta, G)
-        state_inputs = [lay.row_first_chunk, lay.row_num_chunks, lay.chunk_start, lay.chunk_len, ck_start,
-                        ck_count, ck_pos, k, G, w, u] + ([init] if init is not None else [])
-        h_states, v_new, final_state, checkpoint_states = pl.pallas_call(
-            functools.partial(_state_kernel, chunk=chunk, group=group, channel=channel, block_v=block_v,
-                              has_initial=init is not None, has_checkpoints=num_ckpt > 0, dots=dots),
-            out_shape=(jax.ShapeDtypeStruct((num_v_heads, num_chunks, *kv), io_dtype), chunk_array(head_v),
-                       final_shape, ckpt_shape),
-            grid=state_grid, in_specs=[full] * len(state_inputs), out_specs=(full, full, full, full),
-            compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_state",
-        )(*state_inputs)
+    w, u, kd, qg, aqk = intra_v2(p, per_channel_decay=channel, chunk_size=chunk, interpret=interpret,
+                                 intra_num_warps=intra_num_warps, num_stages=num_stages, kda_block_k=kda_block_k)
+    after = num_ckpt > 0 and checkpoint_pass == "after"
+    state_inputs = [p.cu_seqlens, lay.row_first_chunk, lay.row_num_chunks]
+    if after:
+        segments = _checkpoint_segments(lay, p.checkpoint_cu)
+        state_inputs += list(segments)
+        entry_slot = _checkpoint_chunk_ranks(lay)
+    elif num_ckpt > 0 and checkpoint_pass == "in_loop":
+        state_inputs += [*_checkpoint_segments(lay, p.checkpoint_cu), ck_start, ck_count, ck_pos, k]
+    state_inputs += [G, w, u, kd] + ([qg, aqk] if fuse_output else []) + ([init] if init is not None else [])
+    seq_outputs = (o_shape,) if fuse_output else (
+        jax.ShapeDtypeStruct((num_v_heads, num_chunks, *kv), io_dtype), chunk_array(head_v))
+    *seq, final_state, checkpoint_states = pl.pallas_call(
+        functools.partial(_state_kernel, chunk=chunk, group=group, channel=channel, block_v=block_v,
+                          has_initial=init is not None, has_checkpoints=num_ckpt > 0, fused=fuse_output,
+                          dots=dots, checkpoint_pass=checkpoint_pass),
+        out_shape=(*seq_outputs, final_shape, ckpt_shape),
+        grid=state_grid, in_specs=[full] * len(state_inputs), out_specs=(full,) * (len(seq_outputs) + 2),
+        compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_state",
+    )(*state_inputs)
+    if after:
+        checkpoint_states = pl.pallas_call(
+            functools.partial(_checkpoint_kernel, chunk=chunk, group=group, channel=channel,
+                              block_v=block_v, dots=dots),
+            out_shape=ckpt_shape, grid=(num_ckpt, num_v_heads, head_v // block_v), in_specs=[full] * 11,
+            out_specs=full, compiler_params=params(num_warps=num_warps), interpret=interpret,
+            name="delta_checkpoints",
+        )(lay.checkpoint_valid.astype(jnp.int32), lay.checkpoint_chunk, ck_pos, lay.chunk_start, lay.chunk_len,
+          entry_slot, k, G, w, u, checkpoint_states)
+    if fuse_output:
+        (o,) = seq
+    else:
+        h_states, v_new = seq
         o = pl.pallas_call(
-            functools.partial(_output_kernel, chunk=chunk, group=group, channel=channel, block_v=bv,
-                              scale=p.scale, dots=dots),
+            functools.partial(_output_kernel, chunk=chunk, block_v=bv, dots=dots),
             out_shape=o_shape, grid=(num_chunks, num_v_heads, head_v // bv),
-            in_specs=[full, full, full, full,
-                      pl.BlockSpec((None, None, chunk, *g_tail), lambda c, h, j: (h, c, 0, *(0,) * len(g_tail))),
+            in_specs=[full, full,
+                      pl.BlockSpec((None, None, chunk, head_k), lambda c, h, j: (h, c, 0, 0)),
+                      pl.BlockSpec((None, None, chunk, chunk), lambda c, h, j: (h, c, 0, 0)),
                       pl.BlockSpec((None, None, head_k, bv), lambda c, h, j: (h, c, 0, j)),
                       pl.BlockSpec((None, None, chunk, bv), lambda c, h, j: (h, c, 0, j))],
             out_specs=full,
             compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_output",
-        )(lay.chunk_start, lay.chunk_len, q, k, G, h_states, v_new)
-    else:
-        w, u, kd, qg, aqk = intra_v2(p, per_channel_decay=channel, chunk_size=chunk, interpret=interpret,
-                                     intra_num_warps=intra_num_warps, num_stages=num_stages, kda_intra=kda_intra,
-                                     kda_diag=kda_diag, kda_block_k=kda_block_k)
-        after = num_ckpt > 0 and checkpoint_pass == "after"
-        state_inputs = [p.cu_seqlens, lay.row_first_chunk, lay.row_num_chunks]
-        if after:
-            segments = _checkpoint_segments(lay, p.checkpoint_cu)
-            state_inputs += list(segments)
-            entry_slot = _checkpoint_chunk_ranks(lay)
-        elif num_ckpt > 0 and checkpoint_pass == "in_loop":
-            state_inputs += [*_checkpoint_segments(lay, p.checkpoint_cu), ck_start, ck_count, ck_pos, k]
-        state_inputs += [G, w, u, kd] + ([qg, aqk] if fuse_output else []) + ([init] if init is not None else [])
-        seq_outputs = (o_shape,) if fuse_output else (
-            jax.ShapeDtypeStruct((num_v_heads, num_chunks, *kv), io_dtype), chunk_array(head_v))
-        *seq, final_state, checkpoint_states = pl.pallas_call(
-            functools.partial(_state_kernel_v2, chunk=chunk, group=group, channel=channel, block_v=block_v,
-                              has_initial=init is not None, has_checkpoints=num_ckpt > 0, fused=fuse_output,
-                              dots=dots, checkpoint_pass=checkpoint_pass),
-            out_shape=(*seq_outputs, final_shape, ckpt_shape),
-            grid=state_grid, in_specs=[full] * len(state_inputs), out_specs=(full,) * (len(seq_outputs) + 2),
-            compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_state",
-        )(*state_inputs)
-        if after:
-            checkpoint_states = pl.pallas_call(
-                functools.partial(_checkpoint_kernel_v2, chunk=chunk, group=group, channel=channel,
-                                  block_v=block_v, dots=dots),
-                out_shape=ckpt_shape, grid=(num_ckpt, num_v_heads, head_v // block_v), in_specs=[full] * 11,
-                out_specs=full, compiler_params=params(num_warps=num_warps), interpret=interpret,
-                name="delta_checkpoints",
-            )(lay.checkpoint_valid.astype(jnp.int32), lay.checkpoint_chunk, ck_pos, lay.chunk_start, lay.chunk_len,
-              entry_slot, k, G, w, u, checkpoint_states)
-        if fuse_output:
-            (o,) = seq
-        else:
-            h_states, v_new = seq
-            o = pl.pallas_call(
-                functools.partial(_output_kernel_v2, chunk=chunk, block_v=bv, dots=dots),
-                out_shape=o_shape, grid=(num_chunks, num_v_heads, head_v // bv),
-                in_specs=[full, full,
-                          pl.BlockSpec((None, None, chunk, head_k), lambda c, h, j: (h, c, 0, 0)),
-                          pl.BlockSpec((None, None, chunk, chunk), lambda c, h, j: (h, c, 0, 0)),
-                          pl.BlockSpec((None, None, head_k, bv), lambda c, h, j: (h, c, 0, j)),
-                          pl.BlockSpec((None, None, chunk, bv), lambda c, h, j: (h, c, 0, j))],
-                out_specs=full,
-                compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_output",
-            )(lay.chunk_start, lay.chunk_len, qg, aqk, h_states, v_new)
+        )(lay.chunk_start, lay.chunk_len, qg, aqk, h_states, v_new)
 
     # tokens past cu_seqlens[-1] and padded CSR entries are never written: zero them rather than leak garbage
     o = jnp.where(lay.token_valid[:, None, None], o, 0)[:num_tokens]

@@ -45,8 +45,8 @@ def kda(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None
     The metadata arrays may be traced; their values are trusted (validate them with `jaxckpt.plan.conventions`).
     `chunk_size` 64; `interpret=True` runs the kernels on CPU; `tuning`: see
     `pallas_mosaic_gpu_delta.delta_rule_mosaic` (intra, state, pieces, kda_score_parts, intra_inverse, state_terms,
-    intra_num_warps, num_stages, kda_intra, kda_diag, kda_block_k; defaults in `pallas_mosaic_gpu_delta.default_tuning`). Unsupported shapes or
-    options raise ValueError with the reason `supports` gives.
+    intra_num_warps, num_stages, kda_block_k; defaults in `pallas_mosaic_gpu_delta.default_tuning`). Unsupported
+    shapes or options raise ValueError with the reason `supports` gives.
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] or [N, HV, V, K], checkpoint_states fp32
     [M, HV, K, V] or [M, HV, V, K]); the checkpoint at offset p is the state after the row's first p tokens.
