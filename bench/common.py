@@ -237,13 +237,15 @@ class Recorder:
 def table(payload: dict) -> str:
     lines = [f"# {payload['name']}", "", f"device: {payload['device']}", f"versions: {payload['versions']}",
              f"command: `{payload['command']}`", f"started: {payload['started']}", "",
-             "| op | implementation | shape | checkpoints | median ms | p20 | p80 | device ms | pipelined ms | note |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| op | implementation | shape | checkpoints | median ms | p20 | p80 | device ms | pipelined ms "
+             "| compile ms | note |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in payload["results"]:
         fmt = (lambda v: "" if v is None else f"{v:.3f}")
         lines.append(f"| {r['op']} | {r['implementation']} | {json.dumps(r.get('shape'))} | {r.get('checkpoints')} | "
                      f"{fmt(r.get('median_ms'))} | {fmt(r.get('p20_ms'))} | {fmt(r.get('p80_ms'))} | "
-                     f"{fmt(r.get('device_ms'))} | {fmt(r.get('pipelined_ms'))} | {r.get('note', '')} |")
+                     f"{fmt(r.get('device_ms'))} | {fmt(r.get('pipelined_ms'))} | {fmt(r.get('compile_ms'))} | "
+                     f"{r.get('note', '')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -5,7 +5,9 @@ Implementations are looked up by name in an op's registry, `{name: "module:funct
 module may define `supports(**call) -> str | None`: a reason string declines the call, and `implementation=None`
 then falls back to the next (the portable "xla" path last); the returned `Choice` keeps the reasons. `kernel_options`
 the implementation that runs does not take are ignored with an `IgnoredKernelOptions` warning, which names the
-implementations declined before it and why.
+implementations declined before it and why. A module that JAX can differentiate through says so with
+`differentiable(**call) -> bool`; `run` wraps every other one so that `jax.grad`, `jax.vjp`, `jax.jvp` and
+`jax.linearize` raise a ValueError naming `implementation="xla"` instead of failing inside the kernel.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Choice:
     name: str
     function: Callable
     declined: tuple[tuple[str, str], ...]  # (implementation, reason) tried before this one
+    differentiable: bool = False  # JAX can differentiate through `function` for this call
 
 
 class IgnoredKernelOptions(UserWarning):
@@ -57,6 +60,11 @@ def _decline_reason(module, call: Mapping[str, object], cu_seqlens) -> str | Non
     return supports(**call)
 
 
+def _differentiable(module, call: Mapping[str, object]) -> bool:
+    differentiable = getattr(module, "differentiable", None)
+    return differentiable is not None and differentiable(**call)
+
+
 def choose_implementation(registry: Mapping[str, str], implementation: str | None, *, cu_seqlens=None,
                           **call) -> Choice:
     """The implementation to run: the one named, or the first of DEFAULT_ORDER that supports this call here.
@@ -73,7 +81,7 @@ def choose_implementation(registry: Mapping[str, str], implementation: str | Non
         reason = _decline_reason(module, call, cu_seqlens)
         if reason is not None:
             raise ValueError(f"implementation: {implementation!r} does not support this call: {reason}")
-        return Choice(implementation, function, ())
+        return Choice(implementation, function, (), _differentiable(module, call))
     declined = []
     for name in DEFAULT_ORDER:
         if name not in registry:
@@ -85,13 +93,42 @@ def choose_implementation(registry: Mapping[str, str], implementation: str | Non
             continue
         reason = _decline_reason(module, call, cu_seqlens)
         if reason is None:
-            return Choice(name, function, tuple(declined))
+            return Choice(name, function, tuple(declined), _differentiable(module, call))
         declined.append((name, reason))
     raise ValueError(f"implementation: nothing supports this call; declined: {declined}")
 
 
 def is_traced(*values) -> bool:
     return any(isinstance(v, jax.core.Tracer) for v in values)
+
+
+def _not_differentiable(function: Callable, message: str) -> Callable:
+    """`function(**kwargs)` with the same forward, whose derivative rule raises ValueError(message) at trace time.
+
+    Only traced values become arguments of the `jax.custom_jvp` (integer metadata included: its tangents are zero, and
+    a call whose tangents are all zero never reaches the rule); Python options and concrete arrays stay closed over.
+    A JVP rule, not a VJP one, so forward mode (`jax.jvp`, `jax.linearize`) meets the same error as `jax.grad`.
+    """
+    def call(**kwargs):
+        leaves, tree = jax.tree.flatten(kwargs)
+        traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.core.Tracer)]
+        if not traced:
+            return function(**kwargs)
+
+        @jax.custom_jvp
+        def forward(*values):
+            filled = list(leaves)
+            for i, value in zip(traced, values):
+                filled[i] = value
+            return function(**jax.tree.unflatten(tree, filled))
+
+        @forward.defjvp
+        def _refuse(primals, tangents):
+            raise ValueError(message)
+
+        return forward(*(leaves[i] for i in traced))
+
+    return call
 
 
 def flatten_batch(arrays: Sequence, cu_seqlens, *, packed_ndim: int, name: str):
@@ -240,12 +277,18 @@ def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapp
                state_shape=state_shape)
     # all rows, decode rows included: a bound on the prefill rows the kernel gets
     choice = choose_implementation(registry, implementation, cu_seqlens=cu_seqlens, **support_call)
+    function = choice.function
+    if not choice.differentiable:
+        picked = repr(choice.name) if implementation else f"None picked {choice.name!r}, which"
+        function = _not_differentiable(function, f"implementation: {picked} is not differentiable (jax.grad, jax.vjp, "
+                                                f"jax.jvp, jax.linearize); pass implementation=\"xla\" to "
+                                                f"differentiate through this op")
     first = next(iter(arrays.values()))
     cu, ccu, offsets = host_metadata(first.shape[0], cu_seqlens, checkpoint_cu, checkpoint_offsets)
     if choice.name == "reference":
         # token by token in float64: no kernel options apply (the entries always add chunk_size)
-        return choice.function(**arrays, **options, initial_state=initial_state, cu_seqlens=cu,
-                               checkpoint_cu=ccu, checkpoint_offsets=offsets)
+        return function(**arrays, **options, initial_state=initial_state, cu_seqlens=cu, checkpoint_cu=ccu,
+                        checkpoint_offsets=offsets)
     if num_decodes and not is_traced(cu) and np.any(np.asarray(cu)[:num_decodes + 1] != np.arange(num_decodes + 1)):
         raise ValueError(f"num_decodes: the first {num_decodes} rows must hold one token each (decode rows first)")
     extra = {"checkpoint_method": checkpoint_method} if checkpoint_method != "split" else {}
@@ -268,12 +311,11 @@ def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapp
         prefill_cu = np.asarray(prefill_cu)
         state0 = (jnp.zeros((prefill_cu.size - 1, *state_shape), jnp.float32) if prefill_state is None
                   else jnp.asarray(prefill_state, jnp.float32))
-        out, final, ckpt = run_split(choice.function, prefill_arrays, state0, prefill_cu, np.asarray(prefill_ccu),
+        out, final, ckpt = run_split(function, prefill_arrays, state0, prefill_cu, np.asarray(prefill_ccu),
                                      np.asarray(offsets), **call)
     else:
-        out, final, ckpt = choice.function(**prefill_arrays, **call, initial_state=prefill_state,
-                                           cu_seqlens=prefill_cu, checkpoint_cu=prefill_ccu,
-                                           checkpoint_offsets=offsets)
+        out, final, ckpt = function(**prefill_arrays, **call, initial_state=prefill_state, cu_seqlens=prefill_cu,
+                                    checkpoint_cu=prefill_ccu, checkpoint_offsets=offsets)
     if not num_decodes:
         return out, final, ckpt
     decode_arrays = {name: a[:num_decodes] for name, a in arrays.items()}

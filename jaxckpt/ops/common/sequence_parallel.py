@@ -407,6 +407,13 @@ def resolve(q, k, v, g, beta, *, chunk_size, options, pallas_supports: Callable)
                 compose=own.get("compose") or "associative"), None
 
 
+def differentiable(q, k, v, g, beta, *, chunk_size, options, pallas_supports: Callable) -> bool:
+    """Whether JAX differentiates through the call: with the XLA base and the XLA correction (plain jnp/lax), not
+    through the Pallas kernels."""
+    choice, _ = resolve(q, k, v, g, beta, chunk_size=chunk_size, options=options, pallas_supports=pallas_supports)
+    return choice is not None and choice["base"] == "xla" and choice["correction"] == "xla"
+
+
 def run_delta(bases: dict[str, Callable], q, k, v, g, beta, *, scale, use_qk_l2norm, initial_state, cu_seqlens,
               checkpoint_cu, checkpoint_offsets, state_layout, chunk_size, choice: dict):
     """Plain base call where pieces do not pay (`choose_piece_len`), else `sequence_parallel_delta` on it."""

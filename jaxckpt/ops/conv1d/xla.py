@@ -24,6 +24,12 @@ def checkpoint_rows(checkpoint_cu, num_checkpoints: int, num_rows: int):
     return jnp.clip(rows, 0, num_rows - 1), ids < checkpoint_cu[-1]
 
 
+def differentiable(**call) -> bool:
+    """Plain jnp/lax: JAX differentiates through every call (`jaxckpt.ops.common.api` wraps the kernels that it
+    cannot)."""
+    return True
+
+
 @functools.partial(jax.jit, static_argnames=("activation",))
 def causal_conv1d(x, weight, bias=None, *, activation="silu", initial_state=None, cu_seqlens=None,
                   checkpoint_cu=None, checkpoint_offsets=None):

@@ -27,6 +27,12 @@ def supports(q, k, v, g, beta, *, chunk_size=64, **options) -> str | None:
     return sp.resolve(q, k, v, g, beta, chunk_size=chunk_size, options=options, pallas_supports=_pallas_supports)[1]
 
 
+def differentiable(q, k, v, g, beta, *, chunk_size=64, **options) -> bool:
+    """True with the XLA base (`sequence_parallel.differentiable`)."""
+    return sp.differentiable(q, k, v, g, beta, chunk_size=chunk_size, options=options,
+                             pallas_supports=_pallas_supports)
+
+
 def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None, cu_seqlens=None,
                      checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64, **options):
     """Gated delta rule with a scalar log decay per token and value head, sequence-parallel over long rows.

@@ -13,6 +13,12 @@ from jaxckpt.ops.common.delta_chunk import check_static, chunked_delta_rule
 _STATIC = ("scale", "use_qk_l2norm", "state_layout", "chunk_size", "checkpoint_method", "state_pass")
 
 
+def differentiable(**call) -> bool:
+    """Plain jnp/lax: JAX differentiates through every call (`jaxckpt.ops.common.api` wraps the kernels that it
+    cannot)."""
+    return True
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None, cu_seqlens=None,
                      checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,

@@ -28,6 +28,12 @@ def supports(q, k, v, g, beta, *, chunk_size=64, **options) -> str | None:
     return sp.resolve(q, k, v, g, beta, chunk_size=chunk_size, options=options, pallas_supports=_pallas_supports)[1]
 
 
+def differentiable(q, k, v, g, beta, *, chunk_size=64, **options) -> bool:
+    """True with the XLA base (`sequence_parallel.differentiable`)."""
+    return sp.differentiable(q, k, v, g, beta, chunk_size=chunk_size, options=options,
+                             pallas_supports=_pallas_supports)
+
+
 def kda(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None, cu_seqlens=None,
         checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", A_log=None, dt_bias=None, lower_bound=None,
         chunk_size=64, **options):

@@ -66,6 +66,12 @@ def kda_gate(g, *, A_log=None, dt_bias=None, lower_bound=None):
     return lower_bound * jax.nn.sigmoid(x)
 
 
+def differentiable(**call) -> bool:
+    """Plain jnp/lax: JAX differentiates through every call (`jaxckpt.ops.common.api` wraps the kernels that it
+    cannot)."""
+    return True
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def kda(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None, cu_seqlens=None,
         checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", A_log=None, dt_bias=None, lower_bound=None,

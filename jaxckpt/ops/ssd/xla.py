@@ -34,6 +34,12 @@ CHECKPOINT_METHODS = ("in_chunk", "forced_break")
 STATE_PASSES = ("associative", "sequential")
 
 
+def differentiable(**call) -> bool:
+    """Plain jnp/lax: JAX differentiates through every call (`jaxckpt.ops.common.api` wraps the kernels that it
+    cannot)."""
+    return True
+
+
 def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_state=None, cu_seqlens=None,
         checkpoint_cu=None, checkpoint_offsets=None, state_layout="vk", chunk_size=64,
         checkpoint_method="in_chunk", state_pass="associative"):
