@@ -23,7 +23,7 @@ SCHEMA = 1
 
 
 def implementation_spec(spec: str) -> tuple[str | None, dict | None]:
-    """"pallas_mosaic_gpu@intra=mosaic_gpu,pieces=2" -> ("pallas_mosaic_gpu", {"intra": "mosaic_gpu", "pieces": 2}): one
+    """"pallas_mosaic_gpu@state=fused,pieces=2" -> ("pallas_mosaic_gpu", {"state": "fused", "pieces": 2}): one
     implementation with `kernel_options`, so tuning variants are timed in the same run as the peers. "default" ->
     (None, None): the call a user makes, with neither argument."""
     if spec == "default":

@@ -103,13 +103,10 @@ def attempt(results, op, path, run, expected, ccu, offsets):
 
 # the Mosaic GPU backend's defaults (`pallas_mosaic_gpu_delta.default_tuning`) and its options
 MOSAIC_GPU_ROWS = {
-    "gdn": ("pallas_mosaic_gpu", "pallas_mosaic_gpu@state_terms=2,intra=pallas_triton",
-            "pallas_mosaic_gpu@state_terms=2,intra=mosaic_gpu", "pallas_mosaic_gpu@state=fused",
-            "pallas_mosaic_gpu@state=fused,pieces=2", "pallas_mosaic_gpu@state_terms=1",
-            "pallas_mosaic_gpu@state=fused,state_terms=1"),
-    "kda": ("pallas_mosaic_gpu", "pallas_mosaic_gpu@state_terms=2,intra=pallas_triton",
-            "pallas_mosaic_gpu@intra=mosaic_gpu", "pallas_mosaic_gpu@intra=mosaic_gpu,kda_score_parts=2",
-            "pallas_mosaic_gpu@state_terms=1", "pallas_mosaic_gpu@intra=mosaic_gpu,kda_score_parts=2,state_terms=1"),
+    "gdn": ("pallas_mosaic_gpu", "pallas_mosaic_gpu@state_terms=2", "pallas_mosaic_gpu@state=fused",
+            "pallas_mosaic_gpu@state=fused,pieces=2", "pallas_mosaic_gpu@state=fused,state_terms=2"),
+    "kda": ("pallas_mosaic_gpu", "pallas_mosaic_gpu@state_terms=2", "pallas_mosaic_gpu@kda_score_parts=2",
+            "pallas_mosaic_gpu@kda_score_parts=2,state_terms=2"),
 }
 
 

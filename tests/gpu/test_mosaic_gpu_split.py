@@ -52,7 +52,7 @@ def long_row(request):
     forgetful = reference(*inputs, g, beta, **dict(meta, initial_state=None))
     assert rel_rms(forgetful[1], expected[1]) > 0.03, rel_rms(forgetful[1], expected[1])
     unsplit = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu",
-                 kernel_options={"intra": "mosaic_gpu", **UNSPLIT})
+                 kernel_options=UNSPLIT)
     return op, fn, (bf, g, beta, meta), expected, unsplit
 
 
@@ -78,7 +78,7 @@ def long_row_failures(label, got, expected, unsplit, agree_tol):
 def test_long_row_pieces_against_float64_and_unsplit(long_row, pieces, state_terms):
     op, fn, (bf, g, beta, meta), expected, unsplit = long_row
     got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu",
-             kernel_options={"intra": "mosaic_gpu", "state": "v2", "pieces": pieces, "state_terms": state_terms})
+             kernel_options={"state": "v2", "pieces": pieces, "state_terms": state_terms})
     failures = long_row_failures(f"{op} (1, {LENGTH}, 16) state v2 pieces={pieces} state_terms={state_terms}", got,
                                  expected, unsplit, AGREE_TOL if state_terms == 2 else ONE_TERM_AGREE_TOL)
     assert not failures, "\n".join(failures)

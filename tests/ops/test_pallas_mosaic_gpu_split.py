@@ -146,18 +146,18 @@ def emulated(monkeypatch):
     return CALLS
 
 
-def make_case(rng, *, per_channel, dtype=np.float32):
+def make_case(rng, *, per_channel, dtype=np.float32, head_k=HEAD_K, head_v=HEAD_V):
     """q, k, v (1 key head, 2 value heads), an initial state on some rows; mild log decays (a few sharp drops) and
     small betas: a piece's start state still matters at its end (M far from 0), so a wrong join shows."""
     T, HV = NUM_TOKENS, 2
-    g_shape = (T, HV, HEAD_K) if per_channel else (T, HV)
-    inputs = dict(q=rng.normal(size=(T, 1, HEAD_K)), k=rng.normal(size=(T, 1, HEAD_K)),
-                  v=rng.normal(size=(T, HV, HEAD_V)),
+    g_shape = (T, HV, head_k) if per_channel else (T, HV)
+    inputs = dict(q=rng.normal(size=(T, 1, head_k)), k=rng.normal(size=(T, 1, head_k)),
+                  v=rng.normal(size=(T, HV, head_v)),
                   g=-rng.exponential(0.01, size=g_shape) - np.where(rng.random(g_shape) < 0.01, 1.0, 0.0),
                   beta=rng.uniform(0.02, 0.3, size=(T, HV)))
     inputs = {name: x.astype(dtype if name in "qkv" else np.float32) for name, x in inputs.items()}
     num_rows = CU_SEQLENS.size - 1
-    state = rng.normal(size=(num_rows, HV, HEAD_K, HEAD_V)).astype(np.float32)
+    state = rng.normal(size=(num_rows, HV, head_k, head_v)).astype(np.float32)
     state[[n for n in range(num_rows) if n not in ROWS_WITH_STATE]] = 0.0
     options = dict(initial_state=state, cu_seqlens=CU_SEQLENS, checkpoint_cu=CHECKPOINT_CU,
                    checkpoint_offsets=CHECKPOINT_OFFSETS, use_qk_l2norm=True)
@@ -280,7 +280,7 @@ def test_tuning_checks():
     assert "state must be one of" in ok(state="v3") and "state must be one of" in ok(state="v1")
     for bad in (0, -2, 2.0, True, "4", mosaic_delta.MAX_PIECES + 1):
         assert "pieces must be an int in [1, 64] or 'auto'" in ok(state="v2", pieces=bad), bad
-    assert ok(state=None, pieces=None, intra=None) is None and ok(pieces=np.int32(2)) is None  # None: the default
+    assert ok(state=None, pieces=None, intra_inverse=None) is None and ok(pieces=np.int32(2)) is None  # None: the default
     assert ok(pieces=2) is None  # state left out: "v2"
     with pytest.raises(ValueError, match="state must be one of"):
         gdn_mosaic.gated_delta_rule(**inputs, interpret=True, state="v1")
@@ -291,7 +291,8 @@ def test_tuning_checks():
 def test_delta_rule_mosaic_state_v2_wiring(emulated, per_channel):
     # the public pipeline's wiring with the emulated kernel: state "v2" with pieces and "auto", "vk" layout, bf16
     rng = np.random.default_rng(21 + per_channel)
-    inputs, options = make_case(rng, per_channel=per_channel, dtype=ml_dtypes.bfloat16)
+    # the pipeline's intra kernels take K, V in (64, 128) (the emulated state pass any size)
+    inputs, options = make_case(rng, per_channel=per_channel, dtype=ml_dtypes.bfloat16, head_k=64, head_v=128)
     options["initial_state"] = options["initial_state"].swapaxes(-1, -2).copy()
     expected = reference(inputs, dict(options, state_layout="vk"), per_channel=per_channel)
     arrays = {name: jnp.asarray(x) for name, x in inputs.items()}
@@ -299,8 +300,7 @@ def test_delta_rule_mosaic_state_v2_wiring(emulated, per_channel):
     for pieces in (3, "auto"):
         emulated.clear()
         got = mosaic_delta.delta_rule_mosaic(**arrays, **meta, per_channel_decay=per_channel, use_qk_l2norm=True,
-                                             state_layout="vk", interpret=True, state="v2", pieces=pieces,
-                                             intra="pallas_triton")
+                                             state_layout="vk", interpret=True, state="v2", pieces=pieces)
         # "auto" on 5 short rows, 2 heads: too few chunks per row for a split
         assert [c["map_mode"] for c in emulated] == ([True, False] if pieces == 3 else [False])
         for name, a, r in zip(("o", "final", "ckpt"), got, expected):
@@ -378,7 +378,7 @@ def test_state_fused_declines():
     assert reason.startswith("tuning: state='fused' is the fused GDN pass") and "KDA" in reason, reason
     assert kda_mosaic.supports(q, q, v, jnp.zeros((T, 2, D), jnp.float32), beta, interpret=True, state="v2") is None
     gdn = lambda **tuning: gdn_mosaic.supports(q, q, v, beta, beta, **tuning)  # noqa: E731
-    for option in ({"intra": "mosaic_gpu"}, {"intra": "pallas_triton"}, {"kda_block_k": 32}):
+    for option in ({"intra_inverse": "blocked"}, {"kda_score_parts": 2}):
         reason = gdn(interpret=True, state="fused", **option)
         assert reason.startswith("tuning:") and "state='fused' replaces" in reason, (option, reason)
     # off a GPU without the interpreter: the fused kernels' own reason comes through

@@ -6,8 +6,8 @@ semantics); the Mosaic GPU API changes between jax releases, so check this modul
 
 `delta_rule_mosaic` has `pallas_triton_delta.delta_rule`'s contract and results. It runs the Triton gate cumsum
 (`pallas_triton_delta.prepare`), an intra pass writing chunk-major w, u, kd, qg, aqk [HV, NC, C, *] in the 16-bit
-input dtype (`intra`: the Triton `intra_v2` or the Mosaic GPU kernels of `pallas_mosaic_gpu_intra` /
-`pallas_mosaic_gpu_kda_intra`), then a state pass chosen by `state` (defaults: `default_tuning`): "v2", the lanes
+input dtype (the Mosaic GPU kernels of `pallas_mosaic_gpu_intra` / `pallas_mosaic_gpu_kda_intra`), then a state
+pass chosen by `state` (defaults: `default_tuning`): "v2", the lanes
 kernel of `pallas_mosaic_gpu_state` (the default), or "fused" (GDN: `pallas_mosaic_gpu_gdn_fused`, which replaces
 the intra pass). Both fuse the output:
 
@@ -65,14 +65,12 @@ from jaxckpt.plan.layout import max_chunks
 CHUNK = 64
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-INTRA = ("pallas_triton", "mosaic_gpu")
 MAX_PIECES = 64  # the piece scan is unrolled, and N * pieces lanes sit on one grid axis
 STATES = ("v2", "fused")
-TUNING_KEYS = ("intra", "intra_num_warps", "num_stages", "kda_block_k", "state", "pieces",
-               "kda_score_parts", "state_terms", "intra_inverse")
-_INTRA_TUNING = ("intra_num_warps", "num_stages", "kda_block_k")
+TUNING_KEYS = ("intra_num_warps", "num_stages", "state", "pieces", "kda_score_parts", "state_terms", "intra_inverse")
+_CUMSUM_TUNING = ("intra_num_warps", "num_stages")  # the Triton gate cumsum launch (`pallas_triton_delta.prepare`)
 # state "fused" forms the intra products itself (`gdn_kkt` and the lanes loop); the cumsum launch keeps its tuning
-_NOT_FUSED = ("intra", "kda_block_k", "kda_score_parts", "intra_inverse")
+_NOT_FUSED = ("kda_score_parts", "intra_inverse")
 # the Mosaic GPU intra kernels' options as the op names them
 _MOSAIC_INTRA_TUNING = {"kda_score_parts": "score_parts", "intra_inverse": "inverse"}
 _F32 = jnp.float32
@@ -91,7 +89,7 @@ def default_tuning(*, per_channel_decay, state=None):
     fp16 score operands, 2.6x faster) for keys of any norm (its inverse is scaled by the keys' norms,
     `pallas_mosaic_gpu_intra`, "Range")."""
     state = state or "v2"
-    return dict(intra="mosaic_gpu", state=state, pieces="auto", state_terms=1)
+    return dict(state=state, pieces="auto", state_terms=1)
 
 
 def _state_reason(state, pieces, state_terms=2) -> str | None:
@@ -135,9 +133,6 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=Non
     if unknown:
         return f"tuning: unknown options {unknown}, expected some of {TUNING_KEYS}"
     defaults = default_tuning(per_channel_decay=g.ndim == 3, state=tuning.get("state"))
-    intra = tuning.get("intra", defaults["intra"])
-    if intra not in INTRA:
-        return f"tuning: intra must be one of {INTRA}, got {tuning['intra']!r}"
     reason = _state_reason(tuning.get("state", defaults["state"]), tuning.get("pieces", defaults["pieces"]),
                            tuning.get("state_terms", defaults["state_terms"]))
     if reason is not None:
@@ -173,15 +168,7 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=Non
                           pieces=tuning.get("pieces", defaults["pieces"]))
     if reason is not None:
         return reason
-    intra_tuning = {key: value for key, value in tuning.items() if key in _INTRA_TUNING}
-    if tuning.get("state") == "fused":
-        intra = "pallas_triton"  # its kkt kernel replaces the intra pass; the Triton checks still cover the cumsum
-    if intra == "mosaic_gpu":
-        # the Triton intra's options would be ignored; the Triton cumsum launch still takes num_stages and
-        # intra_num_warps
-        triton_only = sorted(set(intra_tuning) - {"num_stages", "intra_num_warps"})
-        if triton_only:
-            return f"tuning: {triton_only} tune the Triton intra pass, not intra='mosaic_gpu'"
+    if tuning.get("state") != "fused":  # "fused": its kkt kernel replaces the intra pass
         if "kda_score_parts" in tuning and g.ndim != 3:
             return "tuning: kda_score_parts tunes the KDA Mosaic GPU intra pass; this is a GDN call"
         intra_module = mosaic_kda_intra if g.ndim == 3 else mosaic_intra
@@ -191,15 +178,11 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=Non
                          if key in _MOSAIC_INTRA_TUNING}
         reason = intra_module.supports(q, k, v, beta, G, chunk=chunk_size, interpret=interpret, **mosaic_tuning)
         if reason is not None:
-            return f"intra pass (mosaic_gpu): {reason}"
-    if intra == "pallas_triton" or "intra" not in tuning:  # left out, the call may run either (`default_tuning`)
-        if "kda_score_parts" in tuning:
-            return "tuning: kda_score_parts tunes the KDA Mosaic GPU intra pass; it needs intra='mosaic_gpu'"
-        if "intra_inverse" in tuning:
-            return "tuning: intra_inverse tunes the Mosaic GPU intra passes; it needs intra='mosaic_gpu'"
-        reason = triton_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **intra_tuning)
-        if reason is not None:
-            return f"intra pass (pallas_triton): {reason}"
+            return f"intra pass: {reason}"
+    cumsum_tuning = {key: value for key, value in tuning.items() if key in _CUMSUM_TUNING}
+    reason = triton_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **cumsum_tuning)
+    if reason is not None:
+        return f"gate cumsum (pallas_triton): {reason}"
     if not interpret and not _is_hopper():
         return "backend: the Mosaic GPU state pass needs a Hopper GPU (sm_90, wgmma) or interpret=True"
     return None
@@ -207,9 +190,8 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=Non
 
 def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm=False, initial_state=None,
                       cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
-                      interpret=False, intra=None, intra_num_warps=4, num_stages=2,
-                      kda_block_k=None, state=None, pieces=None, kda_score_parts=None,
-                      state_terms=None, intra_inverse=None):
+                      interpret=False, intra_num_warps=4, num_stages=2, state=None, pieces=None,
+                      kda_score_parts=None, state_terms=None, intra_inverse=None):
     """`pallas_triton_delta.delta_rule` with the Mosaic GPU state pass (module docstring); same arguments and results.
 
     q, k                # [T, H, K] 16-bit
@@ -219,18 +201,17 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     initial_state       # [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk"); None = zeros
     cu_seqlens          # i32[N + 1]; None = one row over all T tokens
     checkpoint_cu       # i32[N + 1] with checkpoint_offsets i32[M]; both None = no checkpoints
-    `intra`: the kernels producing w, u, kd, qg, aqk ("pallas_triton": `pallas_triton_delta.intra_v2`, tuned by
-    intra_num_warps, num_stages and, for KDA, kda_block_k as there; "mosaic_gpu": wgmma
-    kernels with the same layouts, `pallas_mosaic_gpu_intra.gdn_intra` / `pallas_mosaic_gpu_kda_intra.kda_intra`, the
-    latter's `score_parts` as kda_score_parts: 2 feeds the score products as hi + lo pairs, and both kernels'
-    `inverse` as intra_inverse: "f16", "split" or "blocked", None their default). `interpret`: True runs
-    every kernel on CPU; a `plgpu.InterpretGPUParams` (e.g. detect_races=True) does too, with those settings for the
-    Mosaic GPU interpreter. Left out, intra, state and pieces take `default_tuning`'s values.
+    The intra pass (`pallas_mosaic_gpu_intra.gdn_intra` / `pallas_mosaic_gpu_kda_intra.kda_intra`) takes the
+    latter's `score_parts` as kda_score_parts (2 feeds the score products as hi + lo pairs) and both kernels'
+    `inverse` as intra_inverse ("f16", "split" or "blocked", None their default); intra_num_warps and num_stages tune
+    the Triton gate cumsum launch. `interpret`: True runs every kernel on CPU; a `plgpu.InterpretGPUParams` (e.g.
+    detect_races=True) does too, with those settings for the Mosaic GPU interpreter. Left out, state and pieces take
+    `default_tuning`'s values.
     `state`: the state pass, "v2" (the lanes kernel, `pallas_mosaic_gpu_state.state_lanes`, through
     `pallas_mosaic_gpu_split.state_pass_split`) or, GDN only,
     "fused" (`pallas_mosaic_gpu_gdn_fused`: `gdn_kkt` and then the fused state loop `gdn_fused_lanes`, which forms
     the intra products itself and never writes w, u, kd, qg, aqk; through `pallas_mosaic_gpu_split.fused_pass_split`;
-    it replaces the intra pass, so `intra` and the KDA intra options are rejected with it, while intra_num_warps and
+    it replaces the intra pass, so the intra options are rejected with it, while intra_num_warps and
     num_stages still tune the cumsum launch); `pieces`: each row cut into that many pieces
     run in parallel and joined exactly by their affine state maps (1: the plain pass over whole rows), or "auto" for
     `pallas_mosaic_gpu_split.choose_pieces` (1 unless the plain pass leaves most SMs idle); `state_terms`: 2 feeds
@@ -241,17 +222,14 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padding tokens and padded checkpoint entries are zeros.
     """
     if state == "fused":
-        given = {"intra": intra, "kda_score_parts": kda_score_parts, "intra_inverse": intra_inverse}
+        given = {"kda_score_parts": kda_score_parts, "intra_inverse": intra_inverse}
         given = sorted(name for name, value in given.items() if value is not None)
         if given:
             raise ValueError(f"tuning: {given} tune the intra pass, which state='fused' replaces with its own kernels")
     defaults = default_tuning(per_channel_decay=per_channel_decay, state=state)
-    intra = defaults["intra"] if intra is None else intra
     state = defaults["state"]
     pieces = defaults["pieces"] if pieces is None else pieces
     state_terms = defaults["state_terms"] if state_terms is None else state_terms
-    if intra not in INTRA:
-        raise ValueError(f"intra: must be one of {INTRA}, got {intra!r}")
     reason = _state_reason(state, pieces, state_terms)
     if reason is not None:
         raise ValueError(reason)
@@ -280,18 +258,12 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
         o, final_state, checkpoint_states = mosaic_split.fused_pass_split(p, init, pieces=pieces, interpret=interpret,
                                                                           state_terms=state_terms)
     else:
-        if intra == "mosaic_gpu":
-            intra_kernel = mosaic_kda_intra.kda_intra if per_channel_decay else mosaic_intra.gdn_intra
-            given = {"kda_score_parts": kda_score_parts, "intra_inverse": intra_inverse}
-            mosaic_tuning = {_MOSAIC_INTRA_TUNING[key]: value for key, value in given.items() if value is not None}
-            w, u, kd, qg, aqk = intra_kernel(p.lay.chunk_start, p.lay.chunk_len, p.q, p.k, p.v, p.beta, p.G,
-                                             chunk=chunk_size, group=p.v.shape[1] // p.q.shape[1], scale=p.scale,
-                                             interpret=interpret, **mosaic_tuning)
-        else:
-            w, u, kd, qg, aqk = triton_delta.intra_v2(p, per_channel_decay=per_channel_decay, chunk_size=chunk_size,
-                                                      interpret=triton_interpret, intra_num_warps=intra_num_warps,
-                                                      num_stages=num_stages,
-                                                      kda_block_k=kda_block_k)
+        intra_kernel = mosaic_kda_intra.kda_intra if per_channel_decay else mosaic_intra.gdn_intra
+        given = {"kda_score_parts": kda_score_parts, "intra_inverse": intra_inverse}
+        mosaic_tuning = {_MOSAIC_INTRA_TUNING[key]: value for key, value in given.items() if value is not None}
+        w, u, kd, qg, aqk = intra_kernel(p.lay.chunk_start, p.lay.chunk_len, p.q, p.k, p.v, p.beta, p.G,
+                                         chunk=chunk_size, group=p.v.shape[1] // p.q.shape[1], scale=p.scale,
+                                         interpret=interpret, **mosaic_tuning)
         o, final_state, checkpoint_states = mosaic_split.state_pass_split(
             p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel_decay, pieces=pieces, interpret=interpret,
             state_terms=state_terms)

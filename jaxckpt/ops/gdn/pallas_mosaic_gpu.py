@@ -41,7 +41,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initi
     checkpoint_cu       # i32[N + 1], CSR with checkpoint_offsets i32[M] (offsets relative to the row start)
     The metadata arrays may be traced; their values are trusted (validate them with `jaxckpt.plan.conventions`).
     `chunk_size` 64; `interpret=True` runs the kernels on CPU; `tuning`: see
-    `pallas_mosaic_gpu_delta.delta_rule_mosaic` (intra, state, pieces, intra_inverse, state_terms, intra_num_warps,
+    `pallas_mosaic_gpu_delta.delta_rule_mosaic` (state, pieces, intra_inverse, state_terms, intra_num_warps,
     num_stages; defaults in `pallas_mosaic_gpu_delta.default_tuning`).
     Unsupported shapes or options raise ValueError with the reason `supports` gives.
 

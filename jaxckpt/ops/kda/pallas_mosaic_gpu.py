@@ -44,8 +44,8 @@ def kda(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None
     checkpoint_cu       # i32[N + 1], CSR with checkpoint_offsets i32[M] (offsets relative to the row start)
     The metadata arrays may be traced; their values are trusted (validate them with `jaxckpt.plan.conventions`).
     `chunk_size` 64; `interpret=True` runs the kernels on CPU; `tuning`: see
-    `pallas_mosaic_gpu_delta.delta_rule_mosaic` (intra, state, pieces, kda_score_parts, intra_inverse, state_terms,
-    intra_num_warps, num_stages, kda_block_k; defaults in `pallas_mosaic_gpu_delta.default_tuning`). Unsupported
+    `pallas_mosaic_gpu_delta.delta_rule_mosaic` (state, pieces, kda_score_parts, intra_inverse, state_terms,
+    intra_num_warps, num_stages; defaults in `pallas_mosaic_gpu_delta.default_tuning`). Unsupported
     shapes or options raise ValueError with the reason `supports` gives.
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] or [N, HV, V, K], checkpoint_states fp32
