@@ -36,8 +36,8 @@ Tuning (`gdn_intra`'s keyword options; `default_tuning` fills in those left out)
 options (bf16, T 8192, H 16, K = V = 128): 0.147 ms for ~250 MB of inputs and outputs, half the HBM bandwidth,
 with the tensor cores about a third busy: one chunk per CTA runs load, a serial chain of dependent wgmmas and store
 one after another, and only the SM's second CTA fills the gaps. The options shorten that chain or hide work under
-it; each keeps the first form selectable ("split", 1, "rows") for A/B runs (`bench/mosaic_gpu_intra_quick.py
---variants`).
+it; each keeps the first form selectable ("split", 1, "rows") for A/B runs
+(`bench/results/mosaic_gpu_intra_h200_variants.log`).
 
 - `inverse` ("split" | "f16" | "blocked"; default "blocked" for 16-bit I/O, fp32 takes only "split"). The doubling is
   the CTA's critical path: 10 dependent products, each an SMEM round trip (registers to swizzled SMEM, fence and
