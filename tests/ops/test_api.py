@@ -87,7 +87,8 @@ def test_kernel_options_the_running_implementation_ignores_are_named():
     # off a Hopper GPU the Mosaic GPU options end on "xla": the warning names them and what declined before it
     q, k, v, g, beta = delta_inputs(np.random.default_rng(11), 10)
     expected = ops.gated_delta_rule(q, k, v, g, beta, implementation="xla")
-    pattern = r"\['intra_inverse', 'state'\] are not options of 'xla'.*pallas_mosaic_gpu: .*pallas_triton: tuning: unknown"
+    pattern = (r"\['intra_inverse', 'state'\] are not options of 'xla'.*pallas_mosaic_gpu: "
+               r".*pallas_triton: tuning: unknown")
     with pytest.warns(IgnoredKernelOptions, match=pattern):
         got = ops.gated_delta_rule(q, k, v, g, beta, kernel_options={"state": "v2", "intra_inverse": "blocked"})
     for a, b in zip(got, expected):

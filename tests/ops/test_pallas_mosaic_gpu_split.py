@@ -280,7 +280,8 @@ def test_tuning_checks():
     assert "state must be one of" in ok(state="v3") and "state must be one of" in ok(state="v1")
     for bad in (0, -2, 2.0, True, "4", mosaic_delta.MAX_PIECES + 1):
         assert "pieces must be an int in [1, 64] or 'auto'" in ok(state="v2", pieces=bad), bad
-    assert ok(state=None, pieces=None, intra_inverse=None) is None and ok(pieces=np.int32(2)) is None  # None: the default
+    # None: the default
+    assert ok(state=None, pieces=None, intra_inverse=None) is None and ok(pieces=np.int32(2)) is None
     assert ok(pieces=2) is None  # state left out: "v2"
     with pytest.raises(ValueError, match="state must be one of"):
         gdn_mosaic.gated_delta_rule(**inputs, interpret=True, state="v1")

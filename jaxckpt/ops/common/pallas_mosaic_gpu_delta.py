@@ -82,11 +82,11 @@ def _is_hopper() -> bool:
 
 
 def default_tuning(*, per_channel_decay, state=None):
-    """What the options left out mean (measured on the H200, bench/README.md "Latest results"): the lanes state pass with the sequence split chosen from the shapes and one 16-bit term per product
-    on the state chain (`state_terms=1`, FLA's precision: 17-19% less device time for GDN at one row, states still
-    below FLA's error on the parity problem); the Mosaic GPU intra pass (GDN: 2.9x faster than the Triton one; KDA:
-    fp16 score operands, 2.6x faster) for keys of any norm (its inverse is scaled by the keys' norms,
-    `pallas_mosaic_gpu_intra`, "Range")."""
+    """What the options left out mean (measured on the H200, bench/README.md "Latest results"): the lanes state pass
+    with the sequence split chosen from the shapes and one 16-bit term per product on the state chain (`state_terms=1`,
+    FLA's precision: 17-19% less device time for GDN at one row, states still below FLA's error on the parity problem);
+    the Mosaic GPU intra pass (GDN: 2.9x faster than the Triton one; KDA: fp16 score operands, 2.6x faster) for keys of
+    any norm (its inverse is scaled by the keys' norms, `pallas_mosaic_gpu_intra`, "Range")."""
     state = state or "v2"
     return dict(state=state, pieces="auto", state_terms=1)
 

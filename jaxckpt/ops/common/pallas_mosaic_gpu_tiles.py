@@ -40,10 +40,10 @@ def token_staging(shape, dtype):
     """One SMEM staging tile [C, 64] (16-bit) for an output that leaves in the packed token layout, as a
     `plgpu.RefUnion` of three views of the same bytes: (untiled 128-byte-swizzled, the TMA source of a whole chunk at
     any GMEM row; tiled and swizzled, what WGMMA-layout registers are stored through; plain, the source of
-    `store_rows`). For 64 two-byte columns (one 128-byte swizzle row) the first two are the same layout (checked on
-    the H200, `bench/results/mosaic_gpu_refunion_probe_h200.log`), so a chunk is stored through the tiled view and
-    leaves through the untiled one; a TMA from a *tiled* view at a GMEM row off the 8-row grid drops rows on the GPU. The plain view
-    is written only for a partial chunk, never read through another view. Mosaic GPU's interpreter keeps the views
+    `store_rows`). For 64 two-byte columns (one 128-byte swizzle row) the first two are the same layout (checked on the
+    H200, `bench/results/mosaic_gpu_refunion_probe_h200.log`), so a chunk is stored through the tiled view and leaves
+    through the untiled one; a TMA from a *tiled* view at a GMEM row off the 8-row grid drops rows on the GPU. The plain
+    view is written only for a partial chunk, never read through another view. Mosaic GPU's interpreter keeps the views
     apart (no aliasing), so under `interpret` a whole chunk leaves through the tiled view (the interpreter copies any
     rows)."""
     if shape[-1] * jnp.dtype(dtype).itemsize != 128:
