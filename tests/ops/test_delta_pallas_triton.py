@@ -149,6 +149,7 @@ def test_supports_names_the_reason():
     assert "chunk_size" in gdn_pallas.supports(**inputs, chunk_size=128, interpret=True)
     assert "block_v" in gdn_pallas.supports(**inputs, interpret=True, block_v=48)
     assert "unknown" in gdn_pallas.supports(**inputs, interpret=True, num_warp=4)
+    assert "checkpoint_pass" in gdn_pallas.supports(**inputs, interpret=True, checkpoint_pass="later")
     odd = dict(inputs, v=jnp.zeros((8, 1, 24), jnp.float32))
     assert gdn_pallas.supports(**odd, interpret=True).startswith("V:")
     assert kda_pallas.supports(**inputs, interpret=True).startswith("g:")
