@@ -28,6 +28,7 @@ from jaxckpt.ops.gdn import reference as gdn_reference
 from jaxckpt.ops.kda import pallas_mosaic_gpu as kda_mosaic
 from jaxckpt.ops.kda import pallas_triton as kda_triton
 from jaxckpt.ops.kda import reference as kda_reference
+from tests.ops.intra_cases import raw_keys
 
 pytestmark = pytest.mark.interpret
 
@@ -287,14 +288,13 @@ def test_defaults_run_the_lanes_pass_against_float64():
 
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_defaults_on_raw_keys_against_float64(per_channel):
-    """The default call with use_qk_l2norm=False on raw keys (norms log-uniform over [1e-3, 1e3], beta = beta' / |k|^2
-    with beta' up to 2): the Mosaic GPU intra's scaled inverse keeps the whole op in the bf16 class."""
+    """The default call with use_qk_l2norm=False on raw near-parallel keys (`intra_cases.raw_keys`: norms over
+    [1e-3, 1e3], beta = beta' / |k|^2 with beta' up to 2): the Mosaic GPU intra's scaled inverse keeps the whole op in
+    the bf16 class."""
     rng = np.random.default_rng()
     inputs, options = make_case(rng, per_channel=per_channel, layout="kv")
-    k = inputs["k"].astype(np.float32)
-    norms = np.exp(rng.uniform(np.log(1e-3), np.log(1e3), size=k.shape[:2]))  # [T, 1]
-    inputs["k"] = (k / np.linalg.norm(k, axis=-1, keepdims=True) * norms[..., None]).astype(ml_dtypes.bfloat16)
-    inputs["beta"] = (rng.uniform(0.05, 2.0, size=inputs["beta"].shape) / norms ** 2).astype(np.float32)
+    raw = raw_keys(rng, {"k": inputs["k"].astype(np.float32), "beta": inputs["beta"]}, norms=(1e-3, 1e3))
+    inputs["k"], inputs["beta"] = raw["k"].astype(ml_dtypes.bfloat16), raw["beta"]
     options["use_qk_l2norm"] = False
     arrays = {name: jnp.asarray(x) for name, x in poisoned(inputs).items()}
     given = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
