@@ -72,7 +72,8 @@ def key_scales(r2):
     """(d, 1 / d) per row, fp32, from the keys' squared norms r2: powers of two within a factor sqrt(2) of |k|
     (exactly 1 for |k|^2 in [0.5, 2), and for zero keys and padding rows), clamped to 2^+-30. The intra passes invert
     D (I + A) D^-1 = I + D A D^-1, whose entries beta_i (k_i . k_j) e^(G_i - G_j) d_i / d_j are at most
-    2 beta_i |k_i|^2 whatever the keys' norms, and map back exactly: T = D^-1 T' D (intra READMEs)."""
+    2 beta_i |k_i|^2 whatever the keys' norms, and map back exactly: T = D^-1 T' D (`pallas_mosaic_gpu_intra`,
+    "Range")."""
     n = lax.round(0.5 * jnp.log2(jnp.maximum(r2, 2.0 ** -126)), lax.RoundingMethod.TO_NEAREST_EVEN)
     n = jnp.where(r2 > 0, jnp.clip(n, -30.0, 30.0), 0.0)
     return jnp.exp2(n), jnp.exp2(-n)
