@@ -17,6 +17,10 @@ LONG_SHAPES = [(1, 32768, 16), (1, 131072, 16), (8, 4096, 32)]    # sequence_par
 TINY_DELTA = [(1, 256, 2), (2, 128, 2)]                           # the CPU smoke runs'
 TINY_SSD = [(256, 4)]
 MODES = ["none", "per_row", "every_1024"]
+# issue #20's held-out calls of the default entries, (label, lengths, H, HV, D): the varlen mix, K = V = 64, value heads
+# twice the key heads (GVA) and a short row
+HELD_OUT = [("varlen", VARLEN_MIX, 16, 16, 128), ("K=V=64", [8192], 16, 16, 64), ("HV=2H", [8192], 16, 32, 128),
+            ("T=2048", [2048], 16, 16, 128)]
 
 
 def checkpoint_lists(lengths, mode):
@@ -35,21 +39,25 @@ def checkpoint_lists(lengths, mode):
     return ccu, offsets
 
 
-def delta_inputs(lengths, H, D, kind, seed=0):
-    """fp32 numpy (q, k, v, g, beta, h0, cu_seqlens) of packed rows of `lengths` tokens, H = HV heads, K = V = D."""
+def delta_inputs(lengths, H, D, kind, seed=0, *, HV=None, raw=False):
+    """fp32 numpy (q, k, v, g, beta, h0, cu_seqlens) of packed rows of `lengths` tokens, H key heads, HV value heads
+    (default H), K = V = D; q, k L2-normalised, or with `raw` as a projection gives them (norms near sqrt(D), for a
+    call with use_qk_l2norm=True)."""
     rng = np.random.default_rng(seed)
     T = int(sum(lengths))
+    HV = HV or H
     q = rng.standard_normal((T, H, D)).astype(np.float32)
-    q /= np.linalg.norm(q, axis=-1, keepdims=True)
     k = rng.standard_normal((T, H, D)).astype(np.float32)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((T, H, D)).astype(np.float32)
-    shape = (T, H) if kind == "gdn" else (T, H, D)
+    if not raw:
+        q /= np.linalg.norm(q, axis=-1, keepdims=True)
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((T, HV, D)).astype(np.float32)
+    shape = (T, HV) if kind == "gdn" else (T, HV, D)
     g = -np.log1p(np.exp(-rng.standard_normal(shape))).astype(np.float32)
     if kind == "kda":
         g /= 8
-    beta = (1 / (1 + np.exp(-rng.standard_normal((T, H))))).astype(np.float32)
-    h0 = (rng.standard_normal((len(lengths), H, D, D)) * 0.1).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((T, HV))))).astype(np.float32)
+    h0 = (rng.standard_normal((len(lengths), HV, D, D)) * 0.1).astype(np.float32)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     return q, k, v, g, beta, h0, cu
 

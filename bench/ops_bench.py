@@ -15,7 +15,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from bench.cases import (DELTA_SHAPES, MODES, SSD_SHAPES, TINY_DELTA, TINY_SSD, VARLEN_MIX,  # noqa: E402
+from bench.cases import (DELTA_SHAPES, HELD_OUT, MODES, SSD_SHAPES, TINY_DELTA, TINY_SSD, VARLEN_MIX,  # noqa: E402
                          checkpoint_lists, delta_inputs, ssd_inputs)
 from bench.common import (Recorder, attempt, implementation_spec, jax_device_fields, jax_time, out_dir,  # noqa: E402
                           torch_time)
@@ -42,36 +42,55 @@ def timed(f, *args, reps: int = 20, device_time: bool | None = None) -> dict:
     return t
 
 
-def bench_ours_delta(rec, kind, impl, lengths, H, D, shape_label, modes):
+def bench_ours_delta(rec, kind, impl, lengths, H, D, shape_label, modes, *, HV=None, raw=False, paged=False):
+    """Our entry on bf16 inputs with an fp32 initial state per row; `raw` q, k with use_qk_l2norm=True; `paged` the
+    `*_paged` entry as the layers call it (a bf16 pool, not donated)."""
     import jax
     import jax.numpy as jnp
 
     from jaxckpt import ops
 
-    fn = ops.gated_delta_rule if kind == "gdn" else ops.kda
-    q, k, v, g, beta, h0, cu = delta_inputs(lengths, H, D, kind)
+    q, k, v, g, beta, h0, cu = delta_inputs(lengths, H, D, kind, HV=HV, raw=raw)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
     args = (bf(q), bf(k), bf(v), jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu))
     impl, kernel_options = implementation_spec(spec := impl)
+    options = dict(use_qk_l2norm=raw, implementation=impl, kernel_options=kernel_options)
+    num_rows = len(lengths)
     for mode in modes:
         ccu, offsets = checkpoint_lists(lengths, mode)
-        f = jax.jit(lambda q, k, v, g, beta, h0, cu, ccu, off: fn(
-            q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
-            implementation=impl, kernel_options=kernel_options))
-        row = dict(op=kind, implementation=spec, shape=shape_label, checkpoints=mode)
+        if paged:
+            fn = ops.gated_delta_rule_paged if kind == "gdn" else ops.kda_paged
+            rows = jnp.arange(1, num_rows + 1, dtype=jnp.int32)
+            slots = dict(initial_state_indices=rows, has_initial_state=jnp.ones(num_rows, bool),
+                         final_state_indices=rows, checkpoint_state_indices=jnp.arange(
+                             num_rows + 1, num_rows + 1 + offsets.size, dtype=jnp.int32))
+
+            def f(q, k, v, g, beta, h0, cu, ccu, off):
+                pool = jnp.zeros((num_rows + 1 + offsets.size, *h0.shape[1:]), jnp.bfloat16)
+                pool = pool.at[1:num_rows + 1].set(h0.astype(jnp.bfloat16))
+                return fn(q, k, v, g, beta, pool, **slots, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
+                          donate=False, **options)
+            f = jax.jit(f)
+        else:
+            fn = ops.gated_delta_rule if kind == "gdn" else ops.kda
+            f = jax.jit(lambda q, k, v, g, beta, h0, cu, ccu, off: fn(
+                q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
+                **options))
+        row = dict(op=kind, implementation=spec + ("_paged" if paged else "") + ("_raw_l2norm" if raw else ""),
+                   shape=shape_label, checkpoints=mode)
         attempt(rec, lambda: rec.add(
             **row, rows=list(lengths), num_checkpoints=int(offsets.size), dtype="bf16",
             **timed(f, *args, jnp.asarray(ccu), jnp.asarray(offsets))), **row)
 
 
-def bench_fla_delta(rec, kind, lengths, H, D, shape_label, batched):
+def bench_fla_delta(rec, kind, lengths, H, D, shape_label, batched, *, HV=None):
     import torch
 
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.kda import chunk_kda
 
     fn = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
-    q, k, v, g, beta, h0, cu = delta_inputs(lengths, H, D, kind)
+    q, k, v, g, beta, h0, cu = delta_inputs(lengths, H, D, kind, HV=HV)
     t = lambda x, dt=torch.float32: torch.from_numpy(x).to("cuda", dt)  # noqa: E731
     B = len(lengths)
     if batched:
@@ -116,7 +135,7 @@ def bench_fla_delta(rec, kind, lengths, H, D, shape_label, batched):
                 dtype="bf16", **torch_time(split))
 
 
-def bench_jla_delta(rec, kind, impl, lengths, H, D, shape_label):
+def bench_jla_delta(rec, kind, impl, lengths, H, D, shape_label, *, HV=None):
     import jax
     import jax.numpy as jnp
     from jla.ops import linear_attention
@@ -125,7 +144,7 @@ def bench_jla_delta(rec, kind, impl, lengths, H, D, shape_label):
         rec.add(op=kind, implementation=f"jla_{impl}", shape=shape_label, checkpoints="none", median_ms=None,
                 note="jla has no per-row initial states with varlen rows")
         return
-    q, k, v, g, beta, h0, _ = delta_inputs(lengths, H, D, kind)
+    q, k, v, g, beta, h0, _ = delta_inputs(lengths, H, D, kind, HV=HV)
     B, L = len(lengths), lengths[0]
     shp = lambda x: x.reshape(B, L, *x.shape[1:])  # noqa: E731
     bf = lambda x: jnp.asarray(shp(x), jnp.bfloat16)  # noqa: E731
@@ -236,6 +255,10 @@ def main(argv=None):
     parser.add_argument("--device-time", action="store_true",
                         help="also, for the JAX rows, the summed GPU kernel time per call (profiler trace), the "
                              "largest kernels and the pipelined time per call (bench.common.jax_device_fields)")
+    parser.add_argument("--held-out", action="store_true",
+                        help="the held-out delta cases (bench.cases.HELD_OUT) in place of the anchors and varlen mix")
+    parser.add_argument("--raw", action="store_true", help="our delta rows on raw q, k with use_qk_l2norm=True")
+    parser.add_argument("--paged", action="store_true", help="our delta rows through the *_paged entries")
     parser.add_argument("--shapes", nargs="*", default=None,
                         help="only these delta shapes: B,T,H triples and/or 'varlen' (default: all)")
     args = parser.parse_args(argv)
@@ -246,20 +269,25 @@ def main(argv=None):
     impl_modes.update({k: v.split(",") for k, v in (item.rsplit("=", 1) for item in args.impl_modes)})
     D = 16 if args.tiny else 128
     shapes = [(B, T, H) for (B, T, H) in (TINY_DELTA if args.tiny else DELTA_SHAPES)]
-    cases = [([T] * B, H, {"B": B, "T": T, "H": H, "K": D, "V": D}, True) for B, T, H in shapes]
+    cases = [([T] * B, H, H, D, {"B": B, "T": T, "H": H, "K": D, "V": D}, True) for B, T, H in shapes]
     if not args.no_varlen and not args.tiny:
-        cases.append((VARLEN_MIX, 16, {"varlen": "8 rows, 32768 tokens", "H": 16, "K": D, "V": D}, False))
+        cases.append((VARLEN_MIX, 16, 16, D, {"varlen": "8 rows, 32768 tokens", "H": 16, "K": D, "V": D}, False))
+    if args.held_out:
+        cases = [(lengths, H, HV, D, {"case": label, "rows": len(lengths), "T": sum(lengths), "H": H, "HV": HV, "K": D,
+                                      "V": D}, len(set(lengths)) == 1) for label, lengths, H, HV, D in HELD_OUT]
     if args.shapes is not None:
         keep = {s if s == "varlen" else tuple(int(x) for x in s.split(",")) for s in args.shapes}
-        cases = [c for c in cases if ("varlen" if "varlen" in c[2] else (c[2]["B"], c[2]["T"], c[2]["H"])) in keep]
+        cases = [c for c in cases if ("varlen" if "varlen" in c[4] else (c[4]["B"], c[4]["T"], c[4]["H"])) in keep]
     for kind in [op for op in args.ops if op in ("gdn", "kda")]:
-        for lengths, H, label, batched in cases:
+        for lengths, H, HV, D, label, batched in cases:
             print(f"== {kind} {label}", flush=True)
             for impl in args.impls:
-                bench_ours_delta(rec, kind, impl, lengths, H, D, label, impl_modes[impl])
-            for peer, runner in (("fla", lambda: bench_fla_delta(rec, kind, lengths, H, D, label, batched)),
-                                 ("jla", lambda: bench_jla_delta(rec, kind, "mosaic_gpu", lengths, H, D, label)),
-                                 ("jla_chunked", lambda: bench_jla_delta(rec, kind, "chunked", lengths, H, D, label)),
+                bench_ours_delta(rec, kind, impl, lengths, H, D, label, impl_modes[impl], HV=HV, raw=args.raw,
+                                 paged=args.paged)
+            for peer, runner in (("fla", lambda: bench_fla_delta(rec, kind, lengths, H, D, label, batched, HV=HV)),
+                                 ("jla", lambda: bench_jla_delta(rec, kind, "mosaic_gpu", lengths, H, D, label, HV=HV)),
+                                 ("jla_chunked", lambda: bench_jla_delta(rec, kind, "chunked", lengths, H, D, label,
+                                                                         HV=HV)),
                                  ("scan", lambda: bench_scan_gdn(rec, lengths, H, D, label)
                                   if kind == "gdn" and lengths == [8192] or args.tiny and kind == "gdn" else None)):
                 if peer in args.peers:
