@@ -120,8 +120,12 @@ def random_batch(rng, bucket: Bucket, *, lengths=None, strong_decays: bool = Tru
         arrays = {name: a.astype(dtype) for name, a in arrays.items()}
         arrays["dt"] = (rng.standard_normal((t, h)) - 1).astype(np.float32)
         A = -rng.uniform(0.5, 2.0, h).astype(np.float32)
-        if strong_decays and rng.random() < 0.2:
-            A[int(rng.integers(h))] = -np.inf
+        if strong_decays:
+            # a few tokens with delta = softplus(dt) of about 1e4 or 30: a per-token decay past the floor, or e^-15..-60
+            hits = rng.random((t, h)) < 0.03
+            arrays["dt"][hits] = rng.choice(np.array([1e4, 30.0], np.float32), size=int(hits.sum()))
+            if rng.random() < 0.2:
+                A[int(rng.integers(h))] = -np.inf
         params = dict(A=A)
         state = (h, p, ns)
     else:

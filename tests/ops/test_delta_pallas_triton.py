@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxckpt.ops.common import pallas_triton_delta
-from jaxckpt.ops.common.pallas_triton_tiles import Dots
+from jaxckpt.ops.common.log_decay import floor_log_decay, split_cumsum
+from jaxckpt.ops.common.pallas_triton_tiles import Cumsum, Dots
 from jaxckpt.ops.gdn import pallas_triton as gdn_pallas
 from jaxckpt.ops.gdn import reference as gdn_reference
 from jaxckpt.ops.kda import pallas_triton as kda_pallas
@@ -168,10 +169,13 @@ def test_diagonal_block_helpers_are_exact_under_strong_decays():
     pairs = a[:, None, :] * k[None, :, :] * np.exp(np.minimum(G[:, None, :] - G[None, :, :], 0.0))
     expected = np.where(np.tri(sub, k=-1, dtype=bool), pairs.sum(-1), 0.0)
     dots = Dots(jnp.float32)
-    G32 = jnp.asarray(G, jnp.float32)
-    (scores,) = pallas_triton_delta._diag_block_scores([jnp.asarray(a, jnp.float32)], jnp.asarray(k, jnp.float32),
-                                                       G32, lambda idx: G32[idx], dots)
-    np.testing.assert_allclose(np.asarray(scores), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    whole = Cumsum(jnp.asarray(G, jnp.float32))
+    split = Cumsum(*split_cumsum(floor_log_decay(jnp.asarray(g, jnp.float32)), axis=0))
+    for G32 in (whole, split):
+        (scores,) = pallas_triton_delta._diag_block_scores([jnp.asarray(a, jnp.float32)],
+                                                           jnp.asarray(k, jnp.float32), G32,
+                                                           lambda idx: G32.map(lambda x: x[idx]), dots)
+        np.testing.assert_allclose(np.asarray(scores), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
     A = np.tril(rng.normal(scale=0.3, size=(sub, sub)), k=-1)
     inverse = pallas_triton_delta._doubling_inverse(jnp.asarray(A, jnp.float32))

@@ -5,8 +5,10 @@ The math (WY/UT form, in-chunk checkpoint formula) is in `jaxckpt/ops/gdn/README
 Four launches (five for KDA, whose intra pass is two), FLA-like (`chunk_gated_delta_rule` / `chunk_kda`):
 
 1. `_cumsum_kernel`, grid (chunk, value head): chunk-local inclusive cumulative log decay G, written chunk-major
-   [HV, NC, C(, K)] in fp32. A separate pass because every later kernel reads sub-tiles and single rows of G, and
-   register tiles cannot be sliced in the Triton lowering (no `slice` rule).
+   [HV, NC, C(, K)] in fp32; for fp32 I/O as two arrays, hi + lo (`log_decay.split_cumsum`), so that every
+   exp(G_a - G_b) below is taken of (hi_a - hi_b) + (lo_a - lo_b), exact to the range's own size however strong the
+   decays before it (`pallas_triton_tiles.Cumsum`). A separate pass because every later kernel reads sub-tiles and single rows of G,
+   and register tiles cannot be sliced in the Triton lowering (no `slice` rule).
 2. The intra pass (GDN: `_intra_kernel_v2`, grid (chunk, value head); KDA: two launches, below): everything that
    does not need the carried state, on 16-row sub-blocks (static loops over C / 16 <= 4 blocks, so no tile is ever
    sliced): A = strictly-lower beta-scaled key scores, T = (I + A)^-1, W = T (beta exp(G) K), U = T (beta V), and
@@ -73,8 +75,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxckpt.ops.common.log_decay import floor_log_decay
-from jaxckpt.ops.common.pallas_triton_tiles import Dots, row_mask
+from jaxckpt.ops.common.log_decay import floor_log_decay, split_cumsum
+from jaxckpt.ops.common.pallas_triton_tiles import CumsumRefs, Dots, exp2e as _exp, row_mask
 from jaxckpt.ops.common.xla_arrays import packed_metadata
 from jaxckpt.plan.layout import chunk_layout, searchsorted
 
@@ -139,26 +141,32 @@ def _pick_row(x, rows, r):
 
 
 def _decay(G_i, G_j, mask=None, *, channel):
-    """exp(G_i - G_j) for the pairs selected by mask (0 elsewhere, masked before exp).
+    """exp(G_i - G_j) for the pairs selected by mask (0 elsewhere, masked before exp), G_i and G_j `Cumsum` tiles.
 
     channel=False: G_i [R], G_j [S] -> [R, S] (scalar decays, all pairs). channel=True: G_i and G_j broadcast
     against each other per key channel (e.g. [R, K] and [1, K]).
     """
-    diff = G_i - G_j if channel else G_i[:, None] - G_j[None, :]
+    if not channel:
+        G_i, G_j = G_i.map(lambda x: x[:, None]), G_j.map(lambda x: x[None, :])
+    diff = G_i.gap(G_j)
     if mask is not None:
         diff = jnp.where(mask, diff, -jnp.inf)
-    return jnp.exp(diff)
+    return _exp(diff)
 
 
-def _cumsum_kernel(start_ref, len_ref, g_ref, G_ref, *, chunk, channel):
+def _cumsum_kernel(start_ref, len_ref, g_ref, *G_refs, chunk, channel):
     c, h = pl.program_id(0), pl.program_id(1)
     start, length = start_ref[c], len_ref[c]
     rows = jnp.arange(chunk, dtype=jnp.int32)
+    shape = G_refs[0].shape
     if channel:
-        g = _load_tokens(g_ref.at[pl.ds(start, chunk), h, :], rows, length, G_ref.shape)
+        g = _load_tokens(g_ref.at[pl.ds(start, chunk), h, :], rows, length, shape)
     else:
-        g = _load_tokens(g_ref.at[pl.ds(start, chunk), h], rows, length, G_ref.shape)
-    G_ref[...] = jnp.cumsum(g, axis=0)
+        g = _load_tokens(g_ref.at[pl.ds(start, chunk), h], rows, length, shape)
+    if len(G_refs) == 1:
+        G_refs[0][...] = jnp.cumsum(g, axis=0)
+    else:
+        G_refs[0][...], G_refs[1][...] = split_cumsum(g, axis=0)
 
 
 def _doubling_inverse(A):
@@ -214,16 +222,18 @@ def _diag_block_scores(lhs, k_I, G_I, G_rows, dots):
         ref = rows // (2 * s) * (2 * s) + s
         lower = (rows % (2 * s) >= s)[:, None]
         G_r = G_rows(ref)  # [SUB, K]
-        e = _exp(jnp.where(lower, G_I - G_r, G_r - G_I))  # both exponents <= 0
+        e = _exp(jnp.where(lower, G_I.gap(G_r), G_r.gap(G_I)))  # both exponents <= 0
         b = k_I * jnp.where(lower, 0.0, e)
         keep = _half_pairs(rows, s)
         outs = [o + jnp.where(keep, dots.exact(a * jnp.where(lower, e, 0.0), b, _NT), 0.0) for o, a in zip(outs, lhs)]
     return outs
 
 
-def _intra_kernel_v2(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref, aqk_ref,
-                     *, chunk, group, scale, dots):
+def _intra_kernel_v2(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, *refs, chunk, group, scale, split, dots):
     """GDN's intra pass (module docstring, step 2), grid (chunk, value head)."""
+    refs = list(refs)
+    G_ref = CumsumRefs.pop(refs, split)
+    w_ref, u_ref, kd_ref, qg_ref, aqk_ref = refs
     c, h = pl.program_id(0), pl.program_id(1)
     hk = h // group
     start, length = start_ref[c], len_ref[c]
@@ -240,9 +250,9 @@ def _intra_kernel_v2(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w
         v_J = _load_tokens(v_ref.at[pl.ds(start + J * SUB, SUB), h, :], rows, length, (SUB, head_v))
         b_J = _load_tokens(beta_ref.at[pl.ds(start + J * SUB, SUB), h], rows, length, (SUB,))
         G_J = G_ref[pl.ds(J * SUB, SUB)]
-        gamma = jnp.exp(G_J)[:, None]
+        gamma = G_J.exp()[:, None]
         kf = k_J.astype(_F32)
-        kd_ref[pl.ds(J * SUB, SUB), :] = (kf * jnp.exp(G_last - G_J)[:, None]).astype(kd_ref.dtype)
+        kd_ref[pl.ds(J * SUB, SUB), :] = (kf * _exp(G_last.gap(G_J))[:, None]).astype(kd_ref.dtype)
         qg_ref[pl.ds(J * SUB, SUB), :] = (scale * q_J.astype(_F32) * gamma).astype(qg_ref.dtype)
         k_blk.append(k_J)
         q_blk.append(q_J)
@@ -269,14 +279,6 @@ def _intra_kernel_v2(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w
             aqk_ref[pl.ds(I * SUB, SUB), pl.ds(J * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
 
     _write_wy(A, kb_blk, vb_blk, w_ref, u_ref, nb=nb, dots=dots)
-
-
-_LOG2E = 1.4426950408889634
-
-
-def _exp(x):
-    """exp(x) as exp2(x log2 e): one MUFU.EX2 and a multiply on the GPU, where jnp.exp is libdevice's longer expf."""
-    return jnp.exp2(x * _LOG2E)
 
 
 class _KdaChunk:
@@ -321,9 +323,9 @@ def _kda_diag_scores(chunk, I, cols, k_I, q_I, G_I, *, dots):
 
 def _kda_write_row_block(chunk, I, cols, k_I, q_I, G_I, kd_ref, qg_ref, *, last, scale):
     """Rows of row block I, columns `cols`, of KD = K exp(G_last - G) and QG = scale Q exp(G)."""
-    G_last = chunk.G_ref[last, cols][None, :]
-    kd_ref[pl.ds(I * SUB, SUB), cols] = (k_I * _exp(G_last - G_I)).astype(kd_ref.dtype)
-    qg_ref[pl.ds(I * SUB, SUB), cols] = (scale * q_I * _exp(G_I)).astype(qg_ref.dtype)
+    G_last = chunk.G_ref[last, cols].map(lambda x: x[None, :])
+    kd_ref[pl.ds(I * SUB, SUB), cols] = (k_I * _exp(G_last.gap(G_I))).astype(kd_ref.dtype)
+    qg_ref[pl.ds(I * SUB, SUB), cols] = (scale * q_I * G_I.exp()).astype(qg_ref.dtype)
 
 
 def _kda_solve_row_block(chunk, I, A, T, w_ref, u_ref, *, head_k, head_v, dots):
@@ -342,7 +344,7 @@ def _kda_solve_row_block(chunk, I, A, T, w_ref, u_ref, *, head_k, head_v, dots):
 
     def w_step(kb, carry):
         cols = pl.ds(kb * block_k, block_k)
-        w = sum(dots.exact(T[I, J], betas[J] * _exp(chunk.gates(J, cols)) * chunk.key(J, cols)) for J in range(I + 1))
+        w = sum(dots.exact(T[I, J], betas[J] * chunk.gates(J, cols).exp() * chunk.key(J, cols)) for J in range(I + 1))
         w_ref[pl.ds(I * SUB, SUB), cols] = w.astype(w_ref.dtype)
         return carry
 
@@ -356,8 +358,7 @@ def _kda_solve_row_block(chunk, I, A, T, w_ref, u_ref, *, head_k, head_v, dots):
     jax.lax.fori_loop(0, head_v // block_k, u_step, 0)
 
 
-def _kda_scores_kernel(start_ref, len_ref, q_ref, k_ref, beta_ref, G_ref, akk_ref, aqk_ref, kd_ref, qg_ref, *, chunk,
-                       group, scale, block_k, dots):
+def _kda_scores_kernel(start_ref, len_ref, q_ref, k_ref, beta_ref, *refs, chunk, group, scale, block_k, split, dots):
     """KDA's intra pass, launch A, grid (chunk, value head, row block I): its scores.
 
     Writes the beta-scaled key scores A_IJ (fp32, J <= I; the blocks above are never read), the query scores
@@ -365,6 +366,9 @@ def _kda_scores_kernel(start_ref, len_ref, q_ref, k_ref, beta_ref, G_ref, akk_re
     accumulates one 16x16 pair of scores (rebased dot for J < I, `_kda_diag_scores` for J = I), so a program holds
     two [SUB, block_k] row tiles and two 16x16 accumulators: many small programs instead of one per chunk.
     """
+    refs = list(refs)
+    G_ref = CumsumRefs.pop(refs, split)
+    akk_ref, aqk_ref, kd_ref, qg_ref = refs
     c, h, I = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_k = k_ref.shape[-1]
     ck = _KdaChunk(start_ref[c], len_ref[c], q_ref, k_ref, None, beta_ref, G_ref, h=h, group=group, block_k=block_k)
@@ -387,9 +391,9 @@ def _kda_scores_kernel(start_ref, len_ref, q_ref, k_ref, beta_ref, G_ref, akk_re
     def off_diagonal(J, carry):
         def step(kb, acc):
             cols = pl.ds(kb * block_k, block_k)
-            G_r = G_ref[I * SUB, cols][None, :]  # the first row of block I: both factors <= 1
-            to_r = _exp(ck.gates(I, cols) - G_r)
-            b = ck.key(J, cols) * _exp(G_r - ck.gates(J, cols))
+            G_r = G_ref[I * SUB, cols].map(lambda x: x[None, :])  # the first row of block I: both factors <= 1
+            to_r = _exp(ck.gates(I, cols).gap(G_r))
+            b = ck.key(J, cols) * _exp(G_r.gap(ck.gates(J, cols)))
             return (acc[0] + dots.exact(ck.key(I, cols) * to_r, b, _NT),
                     acc[1] + dots.exact(ck.query(I, cols) * to_r, b, _NT))
 
@@ -406,9 +410,11 @@ def _kda_scores_kernel(start_ref, len_ref, q_ref, k_ref, beta_ref, G_ref, akk_re
     jax.lax.fori_loop(I + 1, chunk // SUB, above, 0)
 
 
-def _kda_solve_kernel(start_ref, len_ref, k_ref, v_ref, beta_ref, G_ref, akk_ref, w_ref, u_ref, *, chunk, group,
-                      block_k, dots):
+def _kda_solve_kernel(start_ref, len_ref, k_ref, v_ref, beta_ref, *refs, chunk, group, block_k, split, dots):
     """KDA's intra pass, launch B, grid (chunk, value head): T, W and U from the stored key scores."""
+    refs = list(refs)
+    G_ref = CumsumRefs.pop(refs, split)
+    akk_ref, w_ref, u_ref = refs
     c, h = pl.program_id(0), pl.program_id(1)
     head_k, head_v = k_ref.shape[-1], v_ref.shape[-1]
     ck = _KdaChunk(start_ref[c], len_ref[c], None, k_ref, v_ref, beta_ref, G_ref, h=h, group=group, block_k=block_k)
@@ -418,8 +424,8 @@ def _kda_solve_kernel(start_ref, len_ref, k_ref, v_ref, beta_ref, G_ref, akk_ref
         _kda_solve_row_block(ck, I, A, T, w_ref, u_ref, head_k=head_k, head_v=head_v, dots=dots)
 
 
-def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkpoints, fused, dots,
-                     checkpoint_pass="in_loop"):
+def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkpoints, fused, split, dots,
+                  checkpoint_pass="in_loop"):
     refs = list(refs)
     take = lambda count: [refs.pop(0) for _ in range(count)]
     cu_ref, first_ref, count_ref = take(3)
@@ -429,7 +435,8 @@ def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkp
         seg_lo_ref, seg_hi_ref, seg_chunk_ref, ck_start_ref, ck_count_ref, ck_pos_ref, k_ref = take(7)
     if after:
         seg_lo_ref, seg_hi_ref, seg_chunk_ref = take(3)
-    G_ref, w_ref, u_ref, kd_ref = take(4)
+    G_ref = CumsumRefs.pop(refs, split)
+    w_ref, u_ref, kd_ref = take(3)
     if fused:
         qg_ref, aqk_ref = take(2)
     init_ref = refs.pop(0) if has_initial else None
@@ -463,7 +470,7 @@ def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkp
         else:
             h_ref[h, c, :, cols] = S.astype(h_ref.dtype)
             vnew_ref[h, c, :, cols] = v_new.astype(vnew_ref.dtype)
-        decay_last = jnp.exp(G_ref[h, c, chunk - 1, :])[:, None] if channel else jnp.exp(G_ref[h, c, chunk - 1])
+        decay_last = G_ref[h, c, chunk - 1, :].exp()[:, None] if channel else G_ref[h, c, chunk - 1].exp()
         if checkpoints:
             k_c = _load_tokens(k_ref.at[pl.ds(start, chunk), hk, :], rows, length, (chunk, head_k))
             _checkpoints_in_chunk(ck_start_ref[c], ck_count_ref[c], ck_pos_ref, ckpt_ref, S, k_c, G_ref[h, c],
@@ -512,25 +519,28 @@ def _checkpoints_in_chunk(base, count, pos_ref, ckpt_ref, S, k_c, G_c, v_new, *,
     """
     def step(m, carry):
         r = pos_ref[m]
-        G_r = _pick_row(G_c, rows, r - 1)  # r = 0: G_r = 0 and no rows below, the state is S itself
+        G_r = G_c.map(lambda x: _pick_row(x, rows, r - 1))  # r = 0: G_r = 0, no rows below: the state is S itself
         before = (rows < r)[:, None] if channel else rows < r
         if channel:
-            k_r = k_c * _decay(G_r[None, :], G_c, before, channel=True)
-            state = jnp.exp(G_r)[:, None] * S
+            k_r = k_c * _decay(G_r.map(lambda x: x[None, :]), G_c, before, channel=True)
+            state = G_r.exp()[:, None] * S
         else:
-            k_r = k_c * jnp.exp(jnp.where(before, G_r - G_c, -jnp.inf))[:, None]
-            state = jnp.exp(G_r) * S
+            k_r = k_c * _exp(jnp.where(before, G_r.gap(G_c), -jnp.inf))[:, None]
+            state = G_r.exp() * S
         ckpt_ref[m, h, :, cols] = state + dots.exact(k_r, v_new, _TN)
         return carry
 
     jax.lax.fori_loop(base, base + count, step, 0)
 
 
-def _checkpoint_kernel(valid_ref, ck_chunk_ref, ck_pos_ref, start_ref, len_ref, entry_slot_ref, k_ref, G_ref, w_ref,
-                          u_ref, entry_ref, ckpt_ref, *, chunk, group, channel, block_v, dots):
+def _checkpoint_kernel(valid_ref, ck_chunk_ref, ck_pos_ref, start_ref, len_ref, entry_slot_ref, k_ref, *refs, chunk,
+                       group, channel, block_v, split, dots):
     """`checkpoint_pass="after"`, grid (checkpoint, value head, V block): v_new of the checkpoint's chunk again from
     its fp32 entry state (entry_slot: the chunk's rank among the distinct checkpoint chunks; the same product as
     the state pass), then `_checkpoints_in_chunk` for this one entry."""
+    refs = list(refs)
+    G_ref = CumsumRefs.pop(refs, split)
+    w_ref, u_ref, entry_ref, ckpt_ref = refs
     m, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * block_v, block_v)
     rows = jnp.arange(chunk, dtype=jnp.int32)
@@ -600,18 +610,22 @@ class Prepared(NamedTuple):
     k: object            # [T', H, K] io dtype
     v: object            # [T', HV, V]
     beta: object         # [T', HV]
-    G: object            # fp32 [HV, NC, C] (GDN) or [HV, NC, C, K] (KDA): chunk-local cumulative log decay
+    G: object            # fp32 [HV, NC, C] (GDN) or [HV, NC, C, K] (KDA): chunk-local cumulative log decay (its hi
+    #                      part when split)
     lay: object          # `chunk_layout` of the rows and checkpoints (traced)
     cu_seqlens: object   # i32[N + 1]
     checkpoint_cu: object  # i32[N + 1]
     scale: float
     io_dtype: object     # dtype of the stored intermediates: fp32 or the 16-bit input dtype
+    G_lo: object = None  # G's lo part (`gate_cumsum(..., split=True)`), as G; None: G is whole
 
 
 def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seqlens, checkpoint_cu,
-            checkpoint_offsets, chunk_size, interpret, intra_num_warps=4, num_stages=2) -> Prepared:
+            checkpoint_offsets, chunk_size, interpret, intra_num_warps=4, num_stages=2, split_gates=False) -> Prepared:
     """Metadata, input casts and the gate cumsum launch (`_cumsum_kernel`): what `delta_rule`'s later passes and
-    `pallas_mosaic_gpu_delta` start from."""
+    `pallas_mosaic_gpu_delta` start from. `split_gates`: for fp32 I/O, G as hi + lo (`gate_cumsum(split=True)`), as
+    this module's kernels take it (16-bit inputs keep one G: its cancellation is far below their error class, and
+    KDA's second G tile costs 15% at (1, 32768, 16), `bench/results/triton_split_ab_*_h200.md`)."""
     num_tokens, _, head_k = q.shape
     chunk = chunk_size
     if scale is None:
@@ -628,9 +642,11 @@ def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seq
         q, k, v, g, beta = (jnp.zeros((1, *x.shape[1:]), x.dtype) for x in (q, k, v, g, beta))
     lay = chunk_layout(cu_seqlens, checkpoint_cu, checkpoint_offsets, chunk_size=chunk, num_tokens=q.shape[0],
                        xp=jnp)
-    G = gate_cumsum(lay.chunk_start, lay.chunk_len, g, per_channel_decay=per_channel_decay, chunk=chunk,
+    split = split_gates and io_dtype == _F32
+    G = gate_cumsum(lay.chunk_start, lay.chunk_len, g, per_channel_decay=per_channel_decay, chunk=chunk, split=split,
                     interpret=interpret, num_warps=intra_num_warps, num_stages=num_stages)
-    return Prepared(q, k, v, beta, G, lay, cu_seqlens, checkpoint_cu, float(scale), io_dtype)
+    G, G_lo = G if split else (G, None)
+    return Prepared(q, k, v, beta, G, lay, cu_seqlens, checkpoint_cu, float(scale), io_dtype, G_lo)
 
 
 def _io_dtype(k, v):
@@ -639,20 +655,25 @@ def _io_dtype(k, v):
     return _F32 if jnp.dtype(io_dtype).itemsize >= 4 else jnp.dtype(io_dtype)
 
 
-def gate_cumsum(chunk_start, chunk_len, g, *, per_channel_decay, chunk, interpret=False, num_warps=4, num_stages=2):
+def gate_cumsum(chunk_start, chunk_len, g, *, per_channel_decay, chunk, split=False, interpret=False, num_warps=4,
+                num_stages=2):
     """G, the chunk-local inclusive cumulative log decay (`_cumsum_kernel`, module docstring step 1).
 
     chunk_start, chunk_len  # i32[NC] from `jaxckpt.plan.layout.chunk_layout`
-    g                       # fp32 [T, HV] (GDN) or [T, HV, K] (KDA, `per_channel_decay`): log decay <= 0
+    g                       # fp32 [T, HV] (GDN) or [T, HV, K] (KDA, `per_channel_decay`): log decay in
+                            # [LOG_DECAY_FLOOR, 0] (`floor_log_decay`)
     Returns fp32 [HV, NC, C] or [HV, NC, C, K], chunk-major; rows past a chunk's length repeat its last value.
+    With `split`, the pair (hi, lo) whose sum is G: `log_decay.split_cumsum`.
     """
     channel = per_channel_decay
     num_chunks, num_v_heads = chunk_start.shape[0], g.shape[1]
     g_tail = (g.shape[2],) if channel else ()
+    G_shape = jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, *g_tail), _F32)
     return pl.pallas_call(
         functools.partial(_cumsum_kernel, chunk=chunk, channel=channel),
-        out_shape=jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, *g_tail), _F32),
-        grid=(num_chunks, num_v_heads), in_specs=[pl.BlockSpec()] * 3, out_specs=_G_block(chunk, g_tail),
+        out_shape=(G_shape, G_shape) if split else G_shape,
+        grid=(num_chunks, num_v_heads), in_specs=[pl.BlockSpec()] * 3,
+        out_specs=(_G_block(chunk, g_tail),) * 2 if split else _G_block(chunk, g_tail),
         compiler_params=plt.CompilerParams(num_stages=num_stages, num_warps=num_warps), interpret=interpret,
         name="delta_gate_cumsum",
     )(chunk_start, chunk_len, g)
@@ -662,8 +683,8 @@ def _G_block(chunk, g_tail):
     return pl.BlockSpec((None, None, chunk, *g_tail), lambda c, h: (h, c, 0, *(0,) * len(g_tail)))
 
 
-def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, interpret=False, num_warps=4,
-              num_stages=2):
+def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, G_lo=None, *, chunk, group, scale, interpret=False,
+              num_warps=4, num_stages=2):
     """GDN's intra pass (`_intra_kernel_v2`, module docstring step 2): W, U, KD, QG and AQK of every chunk.
 
     chunk_start, chunk_len  # i32[NC] from `jaxckpt.plan.layout.chunk_layout` (a row's chunks restart at its start)
@@ -671,6 +692,7 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     v                       # [T, HV, V]
     beta                    # [T, HV]
     G                       # fp32 [HV, NC, C]: `gate_cumsum`
+    G_lo                    # fp32 [HV, NC, C]: with G, `gate_cumsum(..., split=True)`'s pair; None: G is whole
     `group` = HV // H, `scale` a Python number. Returns (w [HV, NC, C, K], u [HV, NC, C, V], kd [HV, NC, C, K],
     qg [HV, NC, C, K], aqk [HV, NC, C, C]), chunk-major in the I/O dtype, padding rows zero.
     """
@@ -678,14 +700,16 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     num_chunks, num_v_heads = chunk_start.shape[0], v.shape[1]
     widths = (k.shape[-1], v.shape[-1], k.shape[-1], k.shape[-1], chunk)
     full = pl.BlockSpec()
+    gates = [G] if G_lo is None else [G, G_lo]
     return pl.pallas_call(
-        functools.partial(_intra_kernel_v2, chunk=chunk, group=group, scale=scale, dots=Dots(io_dtype)),
+        functools.partial(_intra_kernel_v2, chunk=chunk, group=group, scale=scale, split=G_lo is not None,
+                          dots=Dots(io_dtype)),
         out_shape=tuple(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), io_dtype) for width in widths),
-        grid=(num_chunks, num_v_heads), in_specs=[full] * 6 + [_G_block(chunk, ())],
+        grid=(num_chunks, num_v_heads), in_specs=[full] * 6 + [_G_block(chunk, ())] * len(gates),
         out_specs=tuple(_chunk_block(chunk, width) for width in widths),
         compiler_params=plt.CompilerParams(num_stages=num_stages, num_warps=num_warps), interpret=interpret,
         name="delta_intra",
-    )(chunk_start, chunk_len, q, k, v, beta, G)
+    )(chunk_start, chunk_len, q, k, v, beta, *gates)
 
 
 def _chunk_block(chunk, width):
@@ -701,31 +725,34 @@ def intra_v2(p: Prepared, *, per_channel_decay, chunk_size, interpret, intra_num
     chunk = chunk_size
     starts = (p.lay.chunk_start, p.lay.chunk_len)
     if not per_channel_decay:
-        return gdn_intra(*starts, p.q, p.k, p.v, p.beta, p.G, chunk=chunk, group=group, scale=p.scale,
+        return gdn_intra(*starts, p.q, p.k, p.v, p.beta, p.G, p.G_lo, chunk=chunk, group=group, scale=p.scale,
                          interpret=interpret, num_warps=intra_num_warps, num_stages=num_stages)
     num_chunks = p.lay.chunk_len.shape[0]
     full = pl.BlockSpec()
     params = plt.CompilerParams(num_stages=num_stages, num_warps=intra_num_warps)
     chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), p.io_dtype)
-    kda_options = dict(chunk=chunk, group=group, block_k=kda_block_k or min(head_k, head_v, 32), dots=Dots(p.io_dtype))
+    gates = [p.G] if p.G_lo is None else [p.G, p.G_lo]
+    kda_options = dict(chunk=chunk, group=group, block_k=kda_block_k or min(head_k, head_v, 32),
+                       split=p.G_lo is not None, dots=Dots(p.io_dtype))
     by_row_block = lambda c, h, i: (h, c, 0, 0)
     akk, aqk, kd, qg = pl.pallas_call(
         functools.partial(_kda_scores_kernel, scale=p.scale, **kda_options),
         out_shape=(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, chunk), _F32), chunk_array(chunk),
                    chunk_array(head_k), chunk_array(head_k)),
         grid=(num_chunks, num_v_heads, chunk // SUB),
-        in_specs=[full] * 5 + [pl.BlockSpec((None, None, chunk, head_k), by_row_block)],
+        in_specs=[full] * 5 + [pl.BlockSpec((None, None, chunk, head_k), by_row_block)] * len(gates),
         out_specs=tuple(pl.BlockSpec((None, None, chunk, width), by_row_block)
                         for width in (chunk, chunk, head_k, head_k)),
         compiler_params=params, interpret=interpret, name="delta_intra_scores",
-    )(*starts, p.q, p.k, p.beta, p.G)
+    )(*starts, p.q, p.k, p.beta, *gates)
     w, u = pl.pallas_call(
         functools.partial(_kda_solve_kernel, **kda_options),
         out_shape=(chunk_array(head_k), chunk_array(head_v)),
-        grid=(num_chunks, num_v_heads), in_specs=[full] * 5 + [_G_block(chunk, (head_k,)), _chunk_block(chunk, chunk)],
+        grid=(num_chunks, num_v_heads),
+        in_specs=[full] * 5 + [_G_block(chunk, (head_k,))] * len(gates) + [_chunk_block(chunk, chunk)],
         out_specs=(_chunk_block(chunk, head_k), _chunk_block(chunk, head_v)),
         compiler_params=params, interpret=interpret, name="delta_intra_solve",
-    )(*starts, p.k, p.v, p.beta, p.G, akk)
+    )(*starts, p.k, p.v, p.beta, *gates, akk)
     return w, u, kd, qg, aqk
 
 
@@ -765,8 +792,10 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     output_block_v = output_block_v or min(head_v, 64)
     p = prepare(q, k, v, g, beta, per_channel_decay=channel, scale=scale, use_qk_l2norm=use_qk_l2norm,
                 cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets,
-                chunk_size=chunk, interpret=interpret, intra_num_warps=intra_num_warps, num_stages=num_stages)
-    q, k, v, beta, G, lay, io_dtype = p.q, p.k, p.v, p.beta, p.G, p.lay, p.io_dtype
+                chunk_size=chunk, interpret=interpret, intra_num_warps=intra_num_warps, num_stages=num_stages,
+                split_gates=True)
+    q, k, v, beta, lay, io_dtype = p.q, p.k, p.v, p.beta, p.lay, p.io_dtype
+    gates = [p.G] if p.G_lo is None else [p.G, p.G_lo]
     dots = Dots(io_dtype)
     num_rows = p.cu_seqlens.shape[0] - 1
     num_ckpt = lay.checkpoint_pos.shape[0]
@@ -798,12 +827,13 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
         entry_slot = _checkpoint_chunk_ranks(lay)
     elif num_ckpt > 0 and checkpoint_pass == "in_loop":
         state_inputs += [*_checkpoint_segments(lay, p.checkpoint_cu), ck_start, ck_count, ck_pos, k]
-    state_inputs += [G, w, u, kd] + ([qg, aqk] if fuse_output else []) + ([init] if init is not None else [])
+    state_inputs += [*gates, w, u, kd] + ([qg, aqk] if fuse_output else []) + ([init] if init is not None else [])
     seq_outputs = (o_shape,) if fuse_output else (
         jax.ShapeDtypeStruct((num_v_heads, num_chunks, *kv), io_dtype), chunk_array(head_v))
     *seq, final_state, checkpoint_states = pl.pallas_call(
         functools.partial(_state_kernel, chunk=chunk, group=group, channel=channel, block_v=block_v,
                           has_initial=init is not None, has_checkpoints=num_ckpt > 0, fused=fuse_output,
+                          split=p.G_lo is not None,
                           dots=dots, checkpoint_pass=checkpoint_pass),
         out_shape=(*seq_outputs, final_shape, ckpt_shape),
         grid=state_grid, in_specs=[full] * len(state_inputs), out_specs=(full,) * (len(seq_outputs) + 2),
@@ -812,12 +842,12 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     if after:
         checkpoint_states = pl.pallas_call(
             functools.partial(_checkpoint_kernel, chunk=chunk, group=group, channel=channel,
-                              block_v=block_v, dots=dots),
-            out_shape=ckpt_shape, grid=(num_ckpt, num_v_heads, head_v // block_v), in_specs=[full] * 11,
+                              block_v=block_v, split=p.G_lo is not None, dots=dots),
+            out_shape=ckpt_shape, grid=(num_ckpt, num_v_heads, head_v // block_v), in_specs=[full] * (10 + len(gates)),
             out_specs=full, compiler_params=params(num_warps=num_warps), interpret=interpret,
             name="delta_checkpoints",
         )(lay.checkpoint_valid.astype(jnp.int32), lay.checkpoint_chunk, ck_pos, lay.chunk_start, lay.chunk_len,
-          entry_slot, k, G, w, u, checkpoint_states)
+          entry_slot, k, *gates, w, u, checkpoint_states)
     if fuse_output:
         (o,) = seq
     else:

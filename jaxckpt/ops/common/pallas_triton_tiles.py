@@ -7,10 +7,55 @@ import jax
 # new flag changes jit's tracing context, so a process's first jitted call would compile twice. Importing it here
 # defines it before anything is traced.
 import jax.experimental.pallas.fuser  # noqa: F401
+import dataclasses
+from typing import NamedTuple
+
 import jax.numpy as jnp
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
+_LOG2E = 1.4426950408889634
+
+
+def exp2e(x):
+    """exp(x) as exp2(x log2 e): one MUFU.EX2 and a multiply on the GPU, where jnp.exp is libdevice's longer expf."""
+    return jnp.exp2(x * _LOG2E)
+
+
+class Cumsum(NamedTuple):
+    """A tile of a chunk-local cumulative log decay G: whole (lo None), or `log_decay.split_cumsum`'s hi + lo, whose
+    differences cancel nothing however large G has grown."""
+
+    hi: object
+    lo: object = None
+
+    def map(self, fn):
+        return Cumsum(fn(self.hi), None if self.lo is None else fn(self.lo))
+
+    def gap(self, other):
+        """G_self - G_other: the log decay over the tokens after `other`'s row up to `self`'s."""
+        diff = self.hi - other.hi
+        return diff if self.lo is None else diff + (self.lo - other.lo)
+
+    def exp(self):
+        """exp(G): the decay from the chunk start."""
+        return exp2e(self.hi if self.lo is None else self.hi + self.lo)
+
+
+@dataclasses.dataclass(frozen=True)
+class CumsumRefs:
+    """A kernel's refs of G (hi, and lo when split); indexing reads a `Cumsum` tile."""
+
+    hi: object
+    lo: object = None
+
+    def __getitem__(self, index):
+        return Cumsum(self.hi[index], None if self.lo is None else self.lo[index])
+
+    @classmethod
+    def pop(cls, refs: list, split: bool) -> "CumsumRefs":
+        """G's refs off the front of a kernel's ref list (two when split)."""
+        return cls(refs.pop(0), refs.pop(0) if split else None)
 
 
 class Dots:

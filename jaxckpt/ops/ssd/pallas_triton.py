@@ -2,7 +2,10 @@
 
 The math (chunked form, in-chunk checkpoint formula) is in README.md. delta = clamp(softplus(dt + dt_bias)) and the
 chunk-local inclusive cumsum Acs of a = delta A are cheap elementwise work and stay in jnp, written chunk-major
-[H, NC, C] fp32 (padding slots get delta = 0, so they neither decay nor add input). Then four launches:
+[H, NC, C] fp32 (padding slots get delta = 0, so they neither decay nor add input); for fp32 I/O as hi + lo
+(`log_decay.split_cumsum`: every exp(Acs_i - Acs_j) below is exact to the range's own size, however strong the
+decays before it; 16-bit inputs keep one Acs, 5% faster, its cancellation far below their error class). Then four
+launches:
 
 1. `_local_state_kernel`, grid (chunk, head): S_loc = sum_j exp(Acs_last - Acs_j) delta_j x_j B_j^T as one
    [P, C] x [C, N] dot, written [H, NC, P, N] fp32.
@@ -37,8 +40,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxckpt.ops.common.log_decay import floor_log_decay
-from jaxckpt.ops.common.pallas_triton_tiles import Dots, row_mask
+from jaxckpt.ops.common.log_decay import floor_log_decay, split_cumsum
+from jaxckpt.ops.common.pallas_triton_tiles import CumsumRefs, Dots, row_mask
 from jaxckpt.ops.common.xla_arrays import check_ssd_inputs, packed_metadata, ssd_delta, ssd_initial_state
 from jaxckpt.plan.conventions import check_state_layout
 from jaxckpt.plan.layout import chunk_layout
@@ -90,7 +93,10 @@ def _pick(x, rows, r):
     return jnp.sum(jnp.where(rows == r, x, 0.0))
 
 
-def _local_state_kernel(start_ref, len_ref, x_ref, B_ref, acs_ref, delta_ref, out_ref, *, chunk, reps, dots):
+def _local_state_kernel(start_ref, len_ref, x_ref, B_ref, *refs, chunk, reps, split, dots):
+    refs = list(refs)
+    acs_ref = CumsumRefs.pop(refs, split)
+    delta_ref, out_ref = refs
     c, h = pl.program_id(0), pl.program_id(1)
     start, length = start_ref[c], len_ref[c]
     rows = jnp.arange(chunk, dtype=jnp.int32)
@@ -99,12 +105,14 @@ def _local_state_kernel(start_ref, len_ref, x_ref, B_ref, acs_ref, delta_ref, ou
     Bc = _load_tokens(B_ref.at[pl.ds(start, chunk), h // reps, :], rows, length, (chunk, state_dim))
     acs, delta = acs_ref[...], delta_ref[...]  # [C], [C]
     # padding slots add 0 to the cumsum, so Acs_last is the last real token's; the weights are <= 1 for A <= 0
-    weights = jnp.exp(_pick(acs, rows, chunk - 1) - acs) * delta
+    weights = jnp.exp(acs.map(lambda x: _pick(x, rows, chunk - 1)).gap(acs)) * delta
     out_ref[...] = dots.exact(weights[:, None] * x, Bc.astype(_F32), _TN)
 
 
-def _state_kernel(*refs, chunk, block_p, has_initial):
-    first_ref, count_ref, acs_ref, local_ref, *rest = refs
+def _state_kernel(first_ref, count_ref, *refs, chunk, block_p, has_initial, split):
+    rest = list(refs)
+    acs_ref = CumsumRefs.pop(rest, split)
+    local_ref = rest.pop(0)
     init_ref = rest.pop(0) if has_initial else None
     states_ref, final_ref = rest
     n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -116,13 +124,15 @@ def _state_kernel(*refs, chunk, block_p, has_initial):
     def chunk_step(i, S):
         c = first + i
         states_ref[h, c, rows, :] = S
-        return jnp.exp(acs_ref[h, c, chunk - 1]) * S + local_ref[h, c, rows, :]
+        return acs_ref[h, c, chunk - 1].exp() * S + local_ref[h, c, rows, :]
 
     final_ref[n, h, rows, :] = jax.lax.fori_loop(0, count_ref[n], chunk_step, S0)
 
 
-def _checkpoint_kernel(ck_chunk_ref, ck_pos_ref, start_ref, len_ref, x_ref, B_ref, acs_ref, delta_ref, states_ref,
-                       out_ref, *, chunk, reps, dots):
+def _checkpoint_kernel(ck_chunk_ref, ck_pos_ref, start_ref, len_ref, x_ref, B_ref, *refs, chunk, reps, split, dots):
+    refs = list(refs)
+    acs_ref = CumsumRefs.pop(refs, split)
+    delta_ref, states_ref, out_ref = refs
     m, h = pl.program_id(0), pl.program_id(1)
     c, r = ck_chunk_ref[m], ck_pos_ref[m]
     start, length = start_ref[c], len_ref[c]
@@ -131,13 +141,15 @@ def _checkpoint_kernel(ck_chunk_ref, ck_pos_ref, start_ref, len_ref, x_ref, B_re
     x = _load_tokens(x_ref.at[pl.ds(start, chunk), h, :], rows, length, (chunk, head_dim)).astype(_F32)
     Bc = _load_tokens(B_ref.at[pl.ds(start, chunk), h // reps, :], rows, length, (chunk, state_dim))
     acs, delta = acs_ref[h, c], delta_ref[h, c]  # [C], [C]
-    ref = _pick(acs, rows, r - 1)  # r = 0: ref = 0 and every weight masked, so the state is H_c itself
-    weights = jnp.exp(jnp.where(rows < r, ref - acs, -jnp.inf)) * delta
-    out_ref[...] = jnp.exp(ref) * states_ref[h, c] + dots.exact(weights[:, None] * x, Bc.astype(_F32), _TN)
+    ref = acs.map(lambda x: _pick(x, rows, r - 1))  # r = 0: ref = 0 and every weight masked: the state is H_c itself
+    weights = jnp.exp(jnp.where(rows < r, ref.gap(acs), -jnp.inf)) * delta
+    out_ref[...] = ref.exp() * states_ref[h, c] + dots.exact(weights[:, None] * x, Bc.astype(_F32), _TN)
 
 
-def _output_kernel(*refs, chunk, reps, has_D, has_z, dots):
-    start_ref, len_ref, x_ref, B_ref, C_ref, acs_ref, delta_ref, states_ref, *rest = refs
+def _output_kernel(start_ref, len_ref, x_ref, B_ref, C_ref, *refs, chunk, reps, has_D, has_z, split, dots):
+    rest = list(refs)
+    acs_ref = CumsumRefs.pop(rest, split)
+    delta_ref, states_ref = rest.pop(0), rest.pop(0)
     D_ref = rest.pop(0) if has_D else None
     z_ref = rest.pop(0) if has_z else None
     (y_ref,) = rest
@@ -153,10 +165,11 @@ def _output_kernel(*refs, chunk, reps, has_D, has_z, dots):
         Bc = _load_tokens(B_ref.at[pl.ds(start, chunk), g, :], rows, length, (chunk, state_dim))
         Cc = _load_tokens(C_ref.at[pl.ds(start, chunk), g, :], rows, length, (chunk, state_dim))
         acs, delta = acs_ref[...], delta_ref[...]  # [C], [C]
-        L = jnp.exp(jnp.where(rows[:, None] >= rows[None, :], acs[:, None] - acs[None, :], -jnp.inf))
+        gaps = acs.map(lambda x: x[:, None]).gap(acs.map(lambda x: x[None, :]))
+        L = jnp.exp(jnp.where(rows[:, None] >= rows[None, :], gaps, -jnp.inf))
         scores = L * dots.bulk(Cc, Bc, _NT)  # [C, C]
         y = dots.bulk(scores, delta[:, None] * x.astype(_F32), _NN)
-        y = y + jnp.exp(acs)[:, None] * dots.bulk(Cc, states_ref[...], _NT)  # [C, P]
+        y = y + acs.exp()[:, None] * dots.bulk(Cc, states_ref[...], _NT)  # [C, P]
         if has_D:
             y = y + D_ref[h, :][None, :] * x.astype(_F32)
         if has_z:
@@ -219,7 +232,8 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     delta_c = jnp.where(in_chunk[None], delta[chunk_tokens].transpose(2, 0, 1), 0)  # [H, NC, C]
     # padding slots select 0 (their delta = 0 times A = -inf would be NaN); the floor keeps A = -inf an exact reset
     dA = jnp.where(in_chunk[None], floor_log_decay(delta_c * A.astype(_F32)[:, None, None]), 0.0)
-    acs = jnp.cumsum(dA, axis=-1)  # [H, NC, C] chunk-local
+    split = io_dtype == _F32
+    acs = split_cumsum(dA, axis=-1) if split else (jnp.cumsum(dA, axis=-1),)  # ([H, NC, C] chunk-local,) * (1 or 2)
 
     full = pl.BlockSpec()
     vec_block = pl.BlockSpec((None, None, chunk), lambda c, h: (h, c, 0))
@@ -229,33 +243,34 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
 
     local = call(
-        functools.partial(_local_state_kernel, chunk=chunk, reps=reps, dots=dots),
+        functools.partial(_local_state_kernel, chunk=chunk, reps=reps, split=split, dots=dots),
         out_shape=chunk_states, grid=(num_chunks, num_heads),
-        in_specs=[full, full, full, full, vec_block, vec_block], out_specs=state_block, name="ssd_local_state",
-    )(lay.chunk_start, lay.chunk_len, x, B, acs, delta_c)
+        in_specs=[full] * 4 + [vec_block] * (len(acs) + 1), out_specs=state_block,
+        name="ssd_local_state",
+    )(lay.chunk_start, lay.chunk_len, x, B, *acs, delta_c)
 
     block_p = min(state_block_p, head_dim)
-    state_inputs = [lay.row_first_chunk, lay.row_num_chunks, acs, local] + ([init] if init is not None else [])
+    state_inputs = [lay.row_first_chunk, lay.row_num_chunks, *acs, local] + ([init] if init is not None else [])
     states, final_state = call(
-        functools.partial(_state_kernel, chunk=chunk, block_p=block_p, has_initial=init is not None),
+        functools.partial(_state_kernel, chunk=chunk, block_p=block_p, has_initial=init is not None, split=split),
         out_shape=(chunk_states, jax.ShapeDtypeStruct((num_rows, num_heads, head_dim, state_dim), _F32)),
         grid=(num_rows, num_heads, head_dim // block_p), in_specs=[full] * len(state_inputs), out_specs=(full, full), name="ssd_state",
     )(*state_inputs)
 
     if num_ckpt > 0:
         checkpoint_states = call(
-            functools.partial(_checkpoint_kernel, chunk=chunk, reps=reps, dots=dots),
+            functools.partial(_checkpoint_kernel, chunk=chunk, reps=reps, split=split, dots=dots),
             out_shape=jax.ShapeDtypeStruct((num_ckpt, num_heads, head_dim, state_dim), _F32),
-            grid=(num_ckpt, num_heads), in_specs=[full] * 9,
+            grid=(num_ckpt, num_heads), in_specs=[full] * (8 + len(acs)),
             out_specs=pl.BlockSpec((None, None, head_dim, state_dim), lambda m, h: (m, h, 0, 0)),
             name="ssd_checkpoints",
-        )(lay.checkpoint_chunk, lay.checkpoint_pos, lay.chunk_start, lay.chunk_len, x, B, acs, delta_c, states)
+        )(lay.checkpoint_chunk, lay.checkpoint_pos, lay.chunk_start, lay.chunk_len, x, B, *acs, delta_c, states)
         checkpoint_states = jnp.where(lay.checkpoint_valid[:, None, None, None], checkpoint_states, 0)
     else:
         checkpoint_states = jnp.zeros((0, num_heads, head_dim, state_dim), _F32)
 
-    out_inputs = [lay.chunk_start, lay.chunk_len, x, B, C, acs, delta_c, states]
-    out_specs = [full, full, full, full, full, vec_block, vec_block, state_block]
+    out_inputs = [lay.chunk_start, lay.chunk_len, x, B, C, *acs, delta_c, states]
+    out_specs = [full] * 5 + [vec_block] * (len(acs) + 1) + [state_block]
     if D is not None:
         out_inputs.append(jnp.broadcast_to(D.astype(_F32).reshape(num_heads, -1), (num_heads, head_dim)))
         out_specs.append(full)
@@ -264,7 +279,7 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
         out_specs.append(full)
     y = call(
         functools.partial(_output_kernel, chunk=chunk, reps=reps, has_D=D is not None, has_z=z is not None,
-                          dots=dots),
+                          split=split, dots=dots),
         out_shape=jax.ShapeDtypeStruct((padded_tokens, num_heads, head_dim), out_dtype),
         grid=(num_chunks, num_heads), in_specs=out_specs, out_specs=full, name="ssd_output",
     )(*out_inputs)
