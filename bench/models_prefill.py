@@ -15,7 +15,9 @@ Rows:
   attention, its fastest installed paths; the row's `fallbacks` field names the functions that fell back to their
   PyTorch reference (FLA, causal-conv1d), and `experts` the MoE implementation it used.
 - `prefill`: ours (jitted, warm, caches donated), checkpoints `none`, `per_row` (the last `--every` boundary) and
-  `every_N` (one per `--every` = 1024 tokens, in-kernel exports to the state pools).
+  `every_N` (one per `--every` = 1024 tokens, in-kernel exports to the state pools), with the default paged
+  attention; `--attention xla pallas_triton` adds checkpoint-free rows with each one named (`attention` field). The
+  default's checkpoint-free row also carries the device time and its largest kernels (`--device-time`).
 - `speedup`: ours without checkpoints over transformers (goal >= 1.5x); `export`: ours with over without (goal
   within 3%).
 - `parity`: the two models' last-token logits, rel-RMS (bf16: both sides round differently; a sanity check, not a
@@ -39,7 +41,8 @@ import numpy as np  # noqa: E402
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import Recorder, jax_time, one_prompt_step, out_dir, rel_rms, stats as time_stats  # noqa: E402
+from bench.common import (Recorder, jax_device_fields, jax_time, one_prompt_step, out_dir, rel_rms,  # noqa: E402
+                          stats as time_stats)
 
 
 
@@ -126,6 +129,10 @@ def main(argv=None) -> int:
     parser.add_argument("--every", type=int, default=None, help="checkpoint interval (default 1024; tiny 64)")
     parser.add_argument("--reps", type=int, default=3, help="timed calls per configuration (after one warm call)")
     parser.add_argument("--skip-hf", action="store_true", help="ours only (transformers not timed)")
+    parser.add_argument("--attention", nargs="*", default=[], choices=["xla", "pallas_triton"],
+                        help="also time these paged attentions by name (checkpoint-free rows)")
+    parser.add_argument("--device-time", action="store_true",
+                        help="device time and largest kernels of the default checkpoint-free row")
     parser.add_argument("--name", default=None, help="result file name (default models_prefill_tiny_cpu / _gpu)")
     args = parser.parse_args(argv)
 
@@ -188,47 +195,21 @@ def main(argv=None) -> int:
     from flax import nnx
 
     from jaxckpt.models import Qwen3NextForCausalLM
-    from jaxckpt.models.common import forward
 
-    began = time.perf_counter()
-    ours = Qwen3NextForCausalLM.from_params(hf_config_dict, params, block_size=16, max_model_len=max(lengths),
-                                            implementation="xla" if args.tiny else None)
-    del params
-    graphdef, state = nnx.split(ours)
-    print(f"jaxckpt model loaded in {time.perf_counter() - began:.0f} s on {jax.devices()[0]}", flush=True)
     ours_ms: dict[tuple[int, str], float] = {}
-    for n in lengths:
-        boundaries = list(range(every, n, every))
-        for mode in args.modes:
-            offsets = {"none": [], "per_row": boundaries[-1:], "every": boundaries}[mode]
-            label = {"none": "none", "per_row": f"per_row_{every}", "every": f"every_{every}"}[mode]
-            row = dict(op="prefill", implementation="jaxckpt", shape=shape | {"T": n}, rows=1, checkpoints=label,
-                       num_checkpoints=len(offsets), dtype=dtype)
-            try:
-                tokens, meta, pages, slots = one_prompt_step(ours.config, prompts[n], offsets)
-                holder = {"caches": ours.init_caches(pages, slots)}
-
-                def call():
-                    logits, holder["caches"] = forward(graphdef, state, tokens, meta, holder["caches"])
-                    return logits
-
-                first_began = time.perf_counter()
-                logits = np.asarray(jax.block_until_ready(call()))[0]
-                first_s = time.perf_counter() - first_began
-                stats = jax_time(call, warmup=1, reps=args.reps)
-                ours_ms[n, mode] = stats["median_ms"]
-                note = f"{n / stats['median_ms'] * 1e3:,.0f} tok/s; compile + first call {first_s:.1f} s"
-                rec.add(**row, **stats, tokens_per_s=n / stats["median_ms"] * 1e3, compile_and_first_s=first_s,
-                        note=note)
-                if mode == "none" and n in hf_last:
-                    err = rel_rms(logits, hf_last[n])
-                    rec.add(op="parity", implementation="jaxckpt vs transformers", shape=shape | {"T": n},
-                            checkpoints="none", median_ms=None, logits_rel_rms=err,
-                            note=f"last-token logits rel-RMS {err:.2e} ({dtype})")
-                holder.clear()
-            except Exception as error:  # noqa: BLE001
-                traceback.print_exc()
-                rec.add(**row, median_ms=None, note=f"failed: {type(error).__name__}: {str(error)[:300]}")
+    for attention in [None, *args.attention]:
+        began = time.perf_counter()
+        ours = Qwen3NextForCausalLM.from_params(hf_config_dict, params, block_size=16, max_model_len=max(lengths),
+                                                implementation="xla" if args.tiny else None,
+                                                attention_implementation=attention)
+        graphdef, state = nnx.split(ours)
+        print(f"jaxckpt model (attention {attention or 'default'}) loaded in {time.perf_counter() - began:.0f} s on "
+              f"{jax.devices()[0]}", flush=True)
+        run_ours(rec, ours, graphdef, state, prompts, lengths, modes=args.modes if attention is None else ["none"],
+                 every=every, shape=shape, dtype=dtype, attention=attention, hf_last=hf_last, reps=args.reps,
+                 device_time=args.device_time and attention is None, ours_ms=ours_ms)
+        del ours, graphdef, state
+    del params
 
     for n in lengths:
         plain = ours_ms.get((n, "none"))
@@ -247,6 +228,51 @@ def main(argv=None) -> int:
     print(f"wrote {path}")
     return 0 if all(r.get("median_ms") is not None or r["op"] in ("parity", "speedup", "export")
                     for r in rec.results) else 1
+
+
+def run_ours(rec, ours, graphdef, state, prompts, lengths, *, modes, every, shape, dtype, attention, hf_last, reps,
+             device_time, ours_ms):
+    """Our prefill rows for one model build: each length and checkpoint mode (`ours_ms` gets the default attention's
+    medians), parity of the checkpoint-free rows against transformers' last-token logits."""
+    import jax
+
+    from jaxckpt.models.common import forward
+
+    for n in lengths:
+        boundaries = list(range(every, n, every))
+        for mode in modes:
+            offsets = {"none": [], "per_row": boundaries[-1:], "every": boundaries}[mode]
+            label = {"none": "none", "per_row": f"per_row_{every}", "every": f"every_{every}"}[mode]
+            row = dict(op="prefill", implementation="jaxckpt", shape=shape | {"T": n}, rows=1, checkpoints=label,
+                       num_checkpoints=len(offsets), dtype=dtype, attention=attention or "default")
+            try:
+                tokens, meta, pages, slots = one_prompt_step(ours.config, prompts[n], offsets)
+                holder = {"caches": ours.init_caches(pages, slots)}
+
+                def call():
+                    logits, holder["caches"] = forward(graphdef, state, tokens, meta, holder["caches"])
+                    return logits
+
+                first_began = time.perf_counter()
+                logits = np.asarray(jax.block_until_ready(call()))[0]
+                first_s = time.perf_counter() - first_began
+                stats = jax_time(call, warmup=1, reps=reps)
+                if attention is None:
+                    ours_ms[n, mode] = stats["median_ms"]
+                if device_time and mode == "none":
+                    stats |= jax_device_fields(call, reps=3)
+                note = f"{n / stats['median_ms'] * 1e3:,.0f} tok/s; compile + first call {first_s:.1f} s"
+                rec.add(**row, **stats, tokens_per_s=n / stats["median_ms"] * 1e3, compile_and_first_s=first_s,
+                        note=note)
+                if mode == "none" and n in hf_last:
+                    err = rel_rms(logits, hf_last[n])
+                    rec.add(op="parity", implementation="jaxckpt vs transformers", shape=shape | {"T": n},
+                            checkpoints="none", median_ms=None, logits_rel_rms=err,
+                            note=f"last-token logits rel-RMS {err:.2e} ({dtype})")
+                holder.clear()
+            except Exception as error:  # noqa: BLE001
+                traceback.print_exc()
+                rec.add(**row, median_ms=None, note=f"failed: {type(error).__name__}: {str(error)[:300]}")
 
 
 if __name__ == "__main__":

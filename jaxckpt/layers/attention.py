@@ -56,14 +56,25 @@ def _attend(q, k, v, valid):
 ATTENTION_IMPLEMENTATIONS = ("xla", "pallas_triton")
 
 
-def choose_attention(q, k_pages, implementation: str | None) -> str:
-    """The paged attention that runs: `implementation` when given (it raises if the shapes are not supported), else
-    the plain path ("xla"). The Pallas Triton kernel passes its compiled GPU tests but no measurement has compared
-    the two yet, so it is asked for by name (`HybridConfig.attention_implementation`, `bench.serve --attention`)."""
+def check_attention_implementation(implementation: str | None) -> str | None:
     if implementation is not None and implementation not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"implementation: paged attention is one of {ATTENTION_IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
-    return implementation or "xla"
+    return implementation
+
+
+def choose_attention(q, k_pages, implementation: str | None) -> str:
+    """The paged attention that runs: `implementation` when given (it raises if the shapes are not supported), else
+    on a GPU the Pallas Triton flash attention where it supports the shapes (`bench/results/models_prefill_h200.md`:
+    the plain path is quadratic in memory traffic), and the plain path ("xla") elsewhere."""
+    if check_attention_implementation(implementation) is not None:
+        return implementation
+    if jax.default_backend() == "gpu":
+        from jaxckpt.layers import attention_pallas_triton
+
+        if attention_pallas_triton.supports(q, k_pages) is None:
+            return "pallas_triton"
+    return "xla"
 
 
 def paged_attention(q, k, v, meta: StepMetadata, pools, *, block_size: int, query_tile: int = 64,
@@ -74,7 +85,7 @@ def paged_attention(q, k, v, meta: StepMetadata, pools, *, block_size: int, quer
     q [T, Hkv, r, Dk] (rotated and scaled, fp32), k [T, Hkv, Dk], v [T, Hkv, Dv]; pools (k_pages [P, block_size, Hkv,
     Dk], v_pages [P, block_size, Hkv, Dv]). Returns (out fp32 [T, Hkv, r, Dv], (k_pages, v_pages)).
     `implementation`: "xla" (this plain path, the reference), "pallas_triton" (`attention_pallas_triton`, flash
-    attention over the pages; `interpret=True` runs it in the Pallas interpreter), None: "xla" (`choose_attention`).
+    attention over the pages; `interpret=True` runs it in the Pallas interpreter), None: `choose_attention`'s pick.
     """
     k_pages, v_pages = pools
     num_tokens = q.shape[0]
@@ -149,10 +160,7 @@ class Attention(nnx.Module):
         self.block_size = block_size
         self.rope_theta = rope_theta
         self.query_tile = query_tile
-        if implementation is not None and implementation not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(f"implementation: paged attention is one of {ATTENTION_IMPLEMENTATIONS}, "
-                             f"got {implementation!r}")
-        self.implementation = implementation
+        self.implementation = check_attention_implementation(implementation)
         self.q_proj = Linear(d_model, num_heads * head_dim, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(d_model, num_kv_heads * head_dim, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(d_model, num_kv_heads * head_dim, dtype=dtype, rngs=rngs)

@@ -128,12 +128,14 @@ class PublishedConfig:
     hidden_size: int
     layer_types: tuple[str, ...]
     tie_word_embeddings: bool = False
-    # serving: KV page size, longest sequence, chunk of the recurrent ops, compute dtype, jaxckpt.ops implementation
+    # serving: KV page size, longest sequence, chunk of the recurrent ops, compute dtype, jaxckpt.ops implementation,
+    # paged attention ("xla" or "pallas_triton"; None: `jaxckpt.layers.attention.choose_attention`)
     block_size: int = 16
     max_model_len: int = 4096
     chunk_size: int = 64
     dtype: str = "float32"
     implementation: str | None = None
+    attention_implementation: str | None = None
 
     def __post_init__(self):
         bad = [t for t in self.layer_types if t not in self.layer_kinds]
@@ -153,7 +155,8 @@ class PublishedConfig:
 
     @classmethod
     def from_hf(cls, hf: Mapping, **serving):
-        """From config.json's dict; `serving` sets block_size, max_model_len, chunk_size, dtype, implementation."""
+        """From config.json's dict; `serving` sets block_size, max_model_len, chunk_size, dtype, implementation,
+        attention_implementation."""
         if hf.get("model_type") != cls.model_type:
             raise ValueError(f"config: model_type must be {cls.model_type!r}, got {hf.get('model_type')!r}")
         if hf.get("hidden_act", "silu") != "silu":
@@ -233,8 +236,17 @@ class Experts(nnx.Module):
                              preferred_element_type=x.dtype)  # [T * k, d_model]
         # the dropped pairs sort last, past every group
         out = jnp.where(mine[order][:, None], out * weights.reshape(-1)[order][:, None].astype(x.dtype), 0)
-        # pairs are in expert order, so each token sums its experts in ascending expert order (as transformers does)
-        return jnp.zeros_like(x).at[token_of].add(out)
+        # each token's pairs by their places in `order`, ascending: its experts in ascending order, summed one by one
+        # in x.dtype as transformers' index_add does; a gather, where a scatter-add of the [T * k, d_model] pairs
+        # took a fifth of a Qwen3-Next prefill on the H200 (bench/results/models_prefill_h200.md)
+        num_pairs = num_tokens * top_k
+        place = jnp.zeros(num_pairs, jnp.int32).at[order].set(jnp.arange(num_pairs, dtype=jnp.int32),
+                                                               unique_indices=True)
+        pairs = out[jnp.sort(place.reshape(num_tokens, top_k), axis=1)]  # [T, k, d_model]
+        total = pairs[:, 0]
+        for j in range(1, top_k):
+            total = total + pairs[:, j]
+        return total
 
 
 def stack_experts(params: dict[str, np.ndarray], prefix: str, num_experts: int, *,

@@ -188,7 +188,8 @@ class GraniteMoeHybridDecoderLayer(DecoderLayer):
             self.self_attn = GraniteMoeHybridAttention(
                 c.hidden_size, scale=c.attention_multiplier, use_rope=c.position_embedding_type == "rope",
                 num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                block_size=c.block_size, rope_theta=c.rope_theta, dtype=dtype, rngs=rngs)
+                block_size=c.block_size, rope_theta=c.rope_theta, implementation=c.attention_implementation,
+                dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
         self.block_sparse_moe = GraniteMoeHybridMoE(c, dtype=dtype, rngs=rngs) if c.num_local_experts else None
         self.shared_mlp = GraniteMoeHybridMLP(c.hidden_size, c.shared_intermediate_size, dtype=dtype, rngs=rngs)

@@ -58,7 +58,7 @@ class HybridConfig:
     chunk_size: int = 64
     dtype: str = "float32"
     implementation: str | None = None
-    attention_implementation: str | None = None  # paged attention: "xla" (None) or "pallas_triton"
+    attention_implementation: str | None = None  # paged attention: "xla", "pallas_triton" or None (choose_attention)
 
     def __post_init__(self):
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxckpt.layers import GatedDeltaNet, Linear, StepMetadata
-from jaxckpt.layers.attention import causal_attention, paged_attention, rope
+from jaxckpt.layers.attention import causal_attention, check_attention_implementation, paged_attention, rope
 from jaxckpt.models.common import (CausalLM, DecoderLayer, DecoderModel, Experts, PublishedConfig, SwiGLUMLP,
                                    ZeroCenteredRMSNorm, default_rope, stack_experts)
 
@@ -96,6 +96,7 @@ class Qwen3NextAttention(nnx.Module):
                              f"{c.num_key_value_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.rotary_dim, self.rope_theta, self.block_size = c.rotary_dim, c.rope_theta, c.block_size
+        self.implementation = check_attention_implementation(c.attention_implementation)
         H, Hkv, D, d = self.num_heads, self.num_kv_heads, self.head_dim, c.hidden_size
         bias = c.attention_bias
         self.q_proj = Linear(d, 2 * H * D, bias=bias, dtype=dtype, rngs=rngs)
@@ -128,7 +129,8 @@ class Qwen3NextAttention(nnx.Module):
     def __call__(self, x, meta: StepMetadata, pools):
         """x [T, d_model] packed rows; pools (k_pages, v_pages). Returns (out [T, d_model], pools)."""
         q, k, v, gate = self._qkv(x, meta.positions)
-        attended, pools = paged_attention(q, k, v, meta, pools, block_size=self.block_size)
+        attended, pools = paged_attention(q, k, v, meta, pools, block_size=self.block_size,
+                                          implementation=self.implementation)
         return self._out(attended, gate, x.dtype), pools
 
     def reference(self, x, *, implementation=None):
