@@ -51,11 +51,17 @@ def test_flash_paged_attention_matches_the_plain_one(page, groups, block_q):
         assert rel_rms(direct[:real], plain[:real]) <= 1e-5
 
 
-def test_the_choice_and_what_the_kernel_declines():
+def test_the_choice_and_what_the_kernel_declines(monkeypatch):
     q = jnp.zeros((8, 2, 3, 16))
+    supported = jnp.zeros((8, 2, 4, 16))
     pages = jnp.zeros((4, 16, 2, 16))
-    assert choose_attention(q, pages, None) == "xla"
+    assert choose_attention(supported, pages, None) == "xla"  # off the GPU
     assert choose_attention(q, pages, "pallas_triton") == "pallas_triton"
+    # on a GPU the flash kernel wherever it takes the shapes, the plain path where it declines them
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert choose_attention(supported, pages, None) == "pallas_triton"
+    assert choose_attention(q, pages, None) == "xla"
+    assert choose_attention(supported, pages, "xla") == "xla"
     assert "powers of two" in attention_pallas_triton.supports(q, pages)
     assert attention_pallas_triton.supports(jnp.zeros((8, 2, 4, 16)), pages) is None
     assert "page size 20" in attention_pallas_triton.supports(jnp.zeros((8, 2, 4, 16)), jnp.zeros((4, 20, 2, 16)))
