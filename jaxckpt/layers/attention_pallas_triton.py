@@ -4,9 +4,10 @@ One program per (query tile, KV head). A query tile is up to `block_q` consecuti
 query heads that share the KV head packed as rows of one [block_q * r, D] operand, so each K/V tile loaded from a
 page serves every head of its group. The program walks the row's KV tiles up to the tile's last position with an
 online softmax (fp32 running max, sum and accumulator); a KV tile never straddles a page (`block_k` divides the
-page size), so its page is one scalar read of the block table. Keys past the tile's last position are loaded as
-zeros: pages that no forward wrote may hold anything (NaN in the tests) and must not reach the accumulator even
-with a zero weight. Causality inside the tile is a mask on the scores.
+page size), so its page is one scalar read of the block table; a step of the walk takes KEYS_PER_STEP = 64 keys as
+64 / block_k such tiles and rescales the accumulator once, however small the pages. Keys past the tile's last
+position are loaded as zeros: pages that no forward wrote may hold anything (NaN in the tests) and must not reach
+the accumulator even with a zero weight. Causality inside the tile is a mask on the scores.
 
 Tiles never straddle rows: the tile table (row, first token, length, first position) is built in jnp from the
 traced metadata, with a static bound of cdiv(T, block_q) + N tiles; tiles past the real ones have length 0 and
@@ -29,6 +30,7 @@ from jaxckpt.plan.layout import searchsorted
 
 _F32 = jnp.float32
 _NEG = -1e30  # finite: exp(_NEG - m) is 0 and no -inf - -inf can appear
+KEYS_PER_STEP = 64
 
 
 def block_sizes(num_groups: int, page_size: int, *, block_q: int | None = None) -> tuple[int, int]:
@@ -82,26 +84,35 @@ def _kernel(tile_row_ref, tile_start_ref, tile_len_ref, tile_pos_ref, tables_ref
         last = first + length - 1
 
         def body(j, carry):
+            # KEYS_PER_STEP keys a step, as sub-tiles of block_k that each lie in one page: one rescale of the
+            # accumulator per step however small the pages
             m, l, acc = carry
-            kv0 = j * block_k
-            page = tables_ref[row, jax.lax.div(kv0, jnp.int32(page_size))]
-            kv_pos = kv0 + jnp.arange(block_k, dtype=jnp.int32)
-            readable = (kv_pos <= last)[:, None]
-            within = pl.ds(jax.lax.rem(kv0, jnp.int32(page_size)), block_k)
-            k = plt.load(k_ref.at[page, within, g, :], mask=readable, other=0)  # [BK, D]
-            v = plt.load(v_ref.at[page, within, g, :], mask=readable, other=0)  # [BK, Dv]
-            scores = _dot(q, k, ((1,), (1,)))  # [R, BK]
-            scores = jnp.where(kv_pos[None, :] <= q_pos[:, None], scores, _NEG)
-            m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-            p = jnp.exp(scores - m_new[:, None])
+            tiles = []
+            for sub in range(KEYS_PER_STEP // block_k):
+                kv0 = j * KEYS_PER_STEP + sub * block_k
+                column = jnp.minimum(jax.lax.div(kv0, jnp.int32(page_size)), tables_ref.shape[1] - 1)
+                page = tables_ref[row, column]  # past the row's last key the loads are masked off
+                kv_pos = kv0 + jnp.arange(block_k, dtype=jnp.int32)
+                readable = (kv_pos <= last)[:, None]
+                within = pl.ds(jax.lax.rem(kv0, jnp.int32(page_size)), block_k)
+                k = plt.load(k_ref.at[page, within, g, :], mask=readable, other=0)  # [BK, D]
+                v = plt.load(v_ref.at[page, within, g, :], mask=readable, other=0)  # [BK, Dv]
+                scores = _dot(q, k, ((1,), (1,)))  # [R, BK]
+                tiles.append((jnp.where(kv_pos[None, :] <= q_pos[:, None], scores, _NEG), v))
+            m_new = m
+            for scores, _ in tiles:
+                m_new = jnp.maximum(m_new, jnp.max(scores, axis=1))
             alpha = jnp.exp(m - m_new)
-            l = l * alpha + jnp.sum(p, axis=1)
-            acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, ((1,), (0,)))
+            l, acc = l * alpha, acc * alpha[:, None]
+            for scores, v in tiles:
+                p = jnp.exp(scores - m_new[:, None])
+                l = l + jnp.sum(p, axis=1)
+                acc = acc + _dot(p.astype(v.dtype), v, ((1,), (0,)))
             return m_new, l, acc
 
         init = (jnp.full((rows,), _NEG, _F32), jnp.zeros((rows,), _F32),
                 jnp.zeros((rows, o_ref.shape[-1]), _F32))
-        _, l, acc = jax.lax.fori_loop(0, jax.lax.div(last, jnp.int32(block_k)) + 1, body, init)
+        _, l, acc = jax.lax.fori_loop(0, jax.lax.div(last, jnp.int32(KEYS_PER_STEP)) + 1, body, init)
         plt.store(o_ref.at[g, pl.ds(start * num_groups, rows), :], acc / l[:, None], mask=valid[:, None])
 
 
