@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bench.common import cli_main, environment, out_dir
+from bench.common import cli_main, environment, out_dir, rel_rms
 from jaxckpt.engine.runner import HybridRunner
 from jaxckpt.engine.scheduler import BASELINE, ENGINE_MODES, Engine, EngineConfig
 from jaxckpt.models.hybrid import HybridConfig, HybridModel
@@ -109,11 +109,6 @@ class ShapeLog(HybridRunner):
 
 def _pct(values, q):
     return float(np.percentile(values, q)) if values else None
-
-
-def rel_rms(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-300)))
 
 
 def serve(runner, prompts: list[Prompt], *, mode: str, concurrency: int, osl: int, budget: int, pages: int,

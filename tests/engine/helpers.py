@@ -4,6 +4,7 @@ and a runner wrapper recording what every step wrote."""
 import numpy as np
 
 from jaxckpt.engine.scheduler import Engine, EngineConfig
+from tests.numerics import rel_rms
 
 B = 16
 BUDGET = 128
@@ -18,11 +19,6 @@ def reference(runner, tokens):
     if key not in _REFERENCES:
         _REFERENCES[key] = runner.reference_logits(list(tokens))
     return _REFERENCES[key]
-
-
-def rel_rms(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
 
 
 def _text(rng, n, vocab):

@@ -13,11 +13,6 @@ CU_SEQLENS = (0, 3000, 3001, 8190)
 NUM_TOKENS = 8192
 
 
-def rel_rms(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
 def delta_inputs(op, rng, num_tokens, num_rows, *, heads, group=1, dim=128, long_memory=False):
     """(bf16 [q, k, v], fp32 g, beta, initial states) for GDN (`op` "gdn") or KDA ("kda"): q, k [T, H, D]
     l2-normalized per token, v [T, HV, D] with HV = heads x group, softplus-style log decays g [T, HV] (KDA:

@@ -13,7 +13,7 @@ from jaxckpt.layers.metadata import StepMetadata
 from jaxckpt.models import hybrid
 from jaxckpt.models.hybrid import HybridConfig, HybridModel
 from tests.layers.attention_cases import paged_step
-from tests.vectors.loader import rel_rms
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
 

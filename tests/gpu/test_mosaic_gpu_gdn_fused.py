@@ -10,15 +10,11 @@ Run on the GPU machine:
 
 import numpy as np
 import pytest
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
 
 BF16_TOL = 6e-3  # tests/vectors/loader.py's "bf16" class (rel-RMS)
-
-
-def rel_rms(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def make_case(seed, lengths, offsets, *, heads, group, padding=0, mild=False):

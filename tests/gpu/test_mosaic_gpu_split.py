@@ -17,7 +17,8 @@ Run on the GPU machine:
 import numpy as np
 import pytest
 
-from tests.gpu.mosaic_cases import BF16_TOL, delta_case, entries, rel_rms
+from tests.gpu.mosaic_cases import BF16_TOL, delta_case, entries
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
 

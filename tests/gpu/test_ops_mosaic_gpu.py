@@ -11,7 +11,8 @@ Run on the GPU machine: `JAXCKPT_GPU_TESTS=1 JAX_PLATFORMS=cuda python -m pytest
 import numpy as np
 import pytest
 
-from tests.gpu.mosaic_cases import BF16_TOL, delta_case, entries, rel_rms
+from tests.gpu.mosaic_cases import BF16_TOL, delta_case, entries
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
 

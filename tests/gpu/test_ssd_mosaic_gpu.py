@@ -8,15 +8,11 @@ Run on the GPU machine: `JAXCKPT_GPU_TESTS=1 JAX_PLATFORMS=cuda python -m pytest
 
 import numpy as np
 import pytest
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
 
 TOL = 6e-3  # the bf16 class (FLA's own output error is 3-4e-3 on such inputs)
-
-
-def rel_rms(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def problem(seed, lengths, heads, groups, P=64, N=128, padding=7, gate=False):

@@ -8,17 +8,12 @@ tests/gpu/test_torch_bridge_gpu.py` (`-s` shows the measured errors).
 
 import numpy as np
 import pytest
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
 
 BF16_BOUND = 6e-3
 FP32_BOUND = 1e-5
-
-
-def rel_rms(out, expected) -> float:
-    out = out.detach().double().cpu().numpy() if hasattr(out, "detach") else np.asarray(out, np.float64)
-    expected = np.asarray(expected, np.float64)
-    return float(np.linalg.norm(out - expected) / np.linalg.norm(expected))
 
 
 def check_errors(label, out, expected, *, bound):

@@ -9,7 +9,7 @@ import pytest
 from jaxckpt.layers import attention_pallas_triton
 from jaxckpt.layers.attention import choose_attention, paged_attention
 from tests.layers.attention_cases import paged_step
-from tests.vectors.loader import rel_rms
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.interpret
 

@@ -6,11 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxckpt.layers import StepMetadata, pack_tokens
-
-
-def rel_rms(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.sqrt(np.mean((actual - expected) ** 2) / np.mean(expected ** 2)))
+from tests.numerics import rel_rms
 
 
 def randomize(model, seed: int) -> None:

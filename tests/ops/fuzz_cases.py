@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 
 from jaxckpt import ops
+from tests.numerics import rel_rms
 
 CHUNK = 64
 
@@ -173,12 +174,6 @@ def call_paged(batch: Batch, implementation: str, state_pool, *, initial_state_i
     if op == "ssd":
         return ops.ssd_paged(a["x"], a["dt"], batch.params["A"], a["B"], a["C"], state_pool, **slots)
     return ops.causal_conv1d_paged(a["x"], batch.params["weight"], state_pool, batch.params["bias"], **slots)
-
-
-def rel_rms(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    scale = np.sqrt(np.mean(expected ** 2)) if expected.size else 0.0
-    return float(np.sqrt(np.mean((actual - expected) ** 2)) / max(scale, 1e-30)) if expected.size else 0.0
 
 
 def errors(batch: Batch, result, reference) -> dict[str, float]:

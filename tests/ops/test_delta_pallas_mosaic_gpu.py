@@ -29,6 +29,7 @@ from jaxckpt.ops.kda import pallas_mosaic_gpu as kda_mosaic
 from jaxckpt.ops.kda import pallas_triton as kda_triton
 from jaxckpt.ops.kda import reference as kda_reference
 from tests.ops.intra_cases import raw_keys
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.interpret
 
@@ -44,11 +45,6 @@ CHECKPOINT_CU = np.array([0, 0, 0, 2, 2, 7], np.int32)
 CHECKPOINT_OFFSETS = np.array([1, 35, 1, 63, 64, 65, 82, 0, 0], np.int32)
 ROWS_WITH_STATE = (0, 2, 4)
 HEAD_DIM = 64
-
-
-def rel_rms(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
 
 
 def make_case(rng, *, per_channel, layout):

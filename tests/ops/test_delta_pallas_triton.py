@@ -18,6 +18,7 @@ from jaxckpt.ops.gdn import pallas_triton as gdn_pallas
 from jaxckpt.ops.gdn import reference as gdn_reference
 from jaxckpt.ops.kda import pallas_triton as kda_pallas
 from jaxckpt.ops.kda import reference as kda_reference
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.interpret
 
@@ -31,11 +32,6 @@ NUM_TOKENS = 130
 CHECKPOINT_CU = np.array([0, 0, 0, 3, 3, 6], np.int32)
 CHECKPOINT_OFFSETS = np.array([1, 16, 35, 1, 64, 82, 0, 0], np.int32)
 ROWS_WITH_STATE = (0, 2, 4)
-
-
-def rel_rms(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
 
 
 def make_inputs(rng, num_tokens, num_heads, num_v_heads, head_k, head_v, *, per_channel):

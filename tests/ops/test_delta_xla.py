@@ -12,6 +12,7 @@ from jaxckpt.ops.gdn import reference as gdn_reference
 from jaxckpt.ops.gdn import xla as gdn_xla
 from jaxckpt.ops.kda import reference as kda_reference
 from jaxckpt.ops.kda import xla as kda_xla
+from tests.numerics import rel_rms
 
 H, HV = 2, 4
 FP32_TOL = 1e-5
@@ -23,11 +24,6 @@ CU_SEQLENS = np.array([0, 0, 1, 37, 37, 120], np.int32)
 NUM_TOKENS = 130
 CHECKPOINT_CU = np.array([0, 0, 0, 3, 3, 6], np.int32)
 CHECKPOINT_OFFSETS = np.array([1, 16, 35, 1, 64, 82, 0, 0], np.int32)
-
-
-def rel_rms(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
 
 
 def make_inputs(rng, num_tokens, head_k, head_v, *, per_channel, dtype=np.float32):

@@ -24,6 +24,7 @@ from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mgi
 from jaxckpt.ops.common import pallas_mosaic_gpu_state as mgs
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
 from jaxckpt.ops.gdn.reference import gated_delta_rule as gdn_reference
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.interpret
 
@@ -40,11 +41,6 @@ CHECKPOINT_OFFSETS = np.array([10, 30, 64, 149, 1, 82], np.int32)
 REF_TOL = {"o": 1e-2, "final": 1.5e-3, "checkpoints": 1.5e-3}
 AGREE_TOL = {"o": 1.5e-2, "final": 1e-2, "checkpoints": 1e-2}
 MAP_TOL = 2e-5  # map_mode against float64 on the same T0: hi + lo products, Ag rounded to bf16 on both sides
-
-
-def rel_rms(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
 
 
 def seed_now():

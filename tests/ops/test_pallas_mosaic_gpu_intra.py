@@ -24,6 +24,7 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
 from tests.ops.intra_cases import OUTPUTS, gate_cumsum, layout, make_gdn_inputs as make_inputs, raw_keys, triton_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mgi
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.interpret
 
@@ -34,11 +35,6 @@ NUM_TOKENS = 130
 # ~1e-7). bf16: ~2.5e-3 (Triton ~1.7e-3): outputs are rounded to bf16, and W, U use bf16 right-hand sides, as FLA;
 # fp16 the same at 3 more mantissa bits.
 TOL = {jnp.float32: 3e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
-
-
-def rel_rms(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
 
 
 def float64_intra(chunk_start, chunk_len, q, k, v, beta, g, *, group, scale):

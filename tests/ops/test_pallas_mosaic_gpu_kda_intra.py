@@ -26,6 +26,7 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 from tests.ops.intra_cases import (OUTPUTS, make_kda_inputs as make_inputs, mosaic_kda_intra, prepared, raw_keys,
                                   triton_kda_intra)
 from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mki
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.interpret
 
@@ -36,11 +37,6 @@ NUM_TOKENS = 130
 # outputs rounded to bf16 (~2e-3 alone), score operands rounded to bf16 (score_parts 1) or split (2), the fp16 or
 # split inverse. fp16: outputs rounded to fp16 (~3e-4).
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
-
-
-def rel_rms(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.sqrt(np.sum((actual - expected) ** 2) / max(np.sum(expected ** 2), 1e-300))
 
 
 def float64_intra(chunk_start, chunk_len, q, k, v, beta, g, *, group, scale):

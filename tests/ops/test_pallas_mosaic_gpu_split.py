@@ -25,6 +25,7 @@ from jaxckpt.ops.common import pallas_triton_delta as triton_delta
 from jaxckpt.ops.common.delta_reference import delta_rule_reference
 from jaxckpt.ops.gdn import pallas_mosaic_gpu as gdn_mosaic
 from jaxckpt.ops.kda import pallas_mosaic_gpu as kda_mosaic
+from tests.numerics import rel_rms
 
 CHUNK = 64
 # rows of 0, 1, 37 (a partial chunk), 330 (5 full chunks and 10 tokens) and 129 tokens, then 7 padding tokens.
@@ -36,11 +37,6 @@ CHECKPOINT_CU = np.array([0, 0, 0, 1, 8, 10], np.int32)
 CHECKPOINT_OFFSETS = np.array([36, 1, 64, 100, 128, 192, 256, 329, 63, 128, 0, 0], np.int32)
 ROWS_WITH_STATE = (1, 3)
 HEAD_K, HEAD_V = 16, 32  # the emulator takes any size; K != V catches a swapped axis
-
-
-def rel_rms(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
 
 
 def _lanes_numpy(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd, qg, aqk, lane_init, ck, *, channel,

@@ -27,6 +27,7 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
 from jaxckpt.ops.common import pallas_mosaic_gpu_state as mgs
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.interpret
 
@@ -43,11 +44,6 @@ TINY = dict(
     lane_first=np.array([0, 3, 2], np.int32), lane_count=np.array([2, 3, 0], np.int32), outside=[2, 6],
     ck_start=np.array([0, 2, 2, 2, 2, 3, 4], np.int32), ck_count=np.array([2, 0, 0, 0, 1, 1, 0], np.int32),
     ck_pos=np.array([0, C - 1, 17, 40, 0], np.int32), num_tokens=400)
-
-
-def rel_rms(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
 
 
 def make_tiles(seed, *, channel, case=TINY, num_v_heads=2, group=2, K=64, V=64, dtype=ml_dtypes.bfloat16):

@@ -20,6 +20,7 @@ from jaxckpt.ops.gdn import xla as gdn_xla
 from jaxckpt.ops.kda import reference as kda_reference
 from jaxckpt.ops.kda import sequence_parallel as kda_sp
 from tests.vectors.loader import check_case, load_cases
+from tests.numerics import rel_rms
 
 H, HV = 2, 4
 FP32_TOL = 1e-5
@@ -34,11 +35,6 @@ CHECKPOINT_CU = np.array([0, 0, 0, 3, 3, 6, 6], np.int32)
 CHECKPOINT_OFFSETS = np.array([1, 16, 35, 32, 64, 150, 0, 0], np.int32)
 NUM_ROWS = CU_SEQLENS.size - 1
 ROWS_WITH_STATE = (0, 2, 4)
-
-
-def rel_rms(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
 
 
 def make_inputs(rng, head_k, head_v, *, per_channel, dtype=np.float32):

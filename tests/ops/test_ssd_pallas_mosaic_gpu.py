@@ -16,6 +16,7 @@ import pytest
 
 from jaxckpt.ops.ssd import pallas_mosaic_gpu as mosaic
 from jaxckpt.ops.ssd import reference
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.interpret
 
@@ -29,11 +30,6 @@ CU_SEQLENS = np.array([0, 0, 1, 101, 101, 251], np.int32)
 NUM_TOKENS = 260
 CHECKPOINT_CU = np.array([0, 0, 0, 3, 3, 6], np.int32)
 CHECKPOINT_OFFSETS = np.array([1, 64, 99, 17, 128, 149, 0], np.int32)
-
-
-def rel_rms(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
 
 
 def make_inputs(rng, num_tokens, num_groups, cu_seqlens, layout="vk", *, gate=False):

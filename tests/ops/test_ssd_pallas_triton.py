@@ -11,6 +11,7 @@ import pytest
 
 from jaxckpt.ops.ssd import pallas_triton
 from jaxckpt.ops.ssd import reference
+from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.interpret
 
@@ -25,11 +26,6 @@ NUM_TOKENS = 90
 CHECKPOINT_CU = np.array([0, 0, 0, 3, 3, 6], np.int32)
 CHECKPOINT_OFFSETS = np.array([1, 16, 35, 1, 21, 42, 0, 0], np.int32)
 ROWS_WITH_STATE = (0, 2, 4)
-
-
-def rel_rms(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.sqrt(np.sum((actual - expected) ** 2) / np.sum(expected ** 2))
 
 
 def make_inputs(rng, num_groups):

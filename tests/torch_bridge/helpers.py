@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.vectors.loader import rel_rms
+from tests.numerics import rel_rms
 
 
 def triton_device(kernel_module: str) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 from safetensors import deserialize, safe_open
+from tests.numerics import as_float64, rel_rms
 
 OPS = ("gdn", "kda", "ssd", "conv1d")
 SEMANTICS_VERSION = "1"
@@ -151,24 +152,6 @@ def load_case(op: str, name: str) -> Case:
     raise KeyError(f"{op}: no case named {name!r}")
 
 
-def _as_float64(value) -> np.ndarray:
-    if hasattr(value, "detach"):  # a torch tensor (bf16 ones have no numpy view); torch itself is not imported
-        value = value.detach().float().cpu().numpy()
-    return np.asarray(value).astype(np.float64)
-
-
-def rel_rms(out, expected) -> float:
-    """||out - expected||_2 / ||expected||_2 in float64; 0 or inf when expected is all zeros; nan if out is."""
-    out, expected = _as_float64(out), _as_float64(expected)
-    if out.shape != expected.shape:
-        raise ValueError(f"out: shape {out.shape} does not match expected {expected.shape}")
-    err = float(np.linalg.norm((out - expected).ravel()))
-    ref = float(np.linalg.norm(expected.ravel()))
-    if ref == 0.0:
-        return 0.0 if err == 0.0 else math.inf
-    return err / ref
-
-
 def _valid_parts(case: Case, name: str, out: np.ndarray, expected: np.ndarray):
     """(label, out, expected) pieces compared on their own: valid tokens, the final state, each valid checkpoint."""
     if name == "final_state":
@@ -205,7 +188,7 @@ def measure_case(case: Case, outputs, *, tolerance_class: str | None = None) -> 
     report = []
     for name in names:
         expected = np.asarray(case.expected[name], np.float64)
-        out = _as_float64(outputs[name])
+        out = as_float64(outputs[name])
         if out.shape != expected.shape:
             report.append({"tensor": name, "ok": False, "shape": out.shape, "expected_shape": expected.shape})
             continue
