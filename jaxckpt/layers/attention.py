@@ -63,7 +63,7 @@ def check_attention_implementation(implementation: str | None) -> str | None:
     return implementation
 
 
-def choose_attention(q, k_pages, implementation: str | None) -> str:
+def choose_attention(q, k_pages, v_pages, implementation: str | None) -> str:
     """The paged attention that runs: `implementation` when given (it raises if the shapes are not supported), else
     on a GPU the Pallas Triton flash attention where it supports the shapes (`bench/results/models_prefill_h200.md`:
     the plain path is quadratic in memory traffic), and the plain path ("xla") elsewhere."""
@@ -72,7 +72,7 @@ def choose_attention(q, k_pages, implementation: str | None) -> str:
     if jax.default_backend() == "gpu":
         from jaxckpt.layers import attention_pallas_triton
 
-        if attention_pallas_triton.supports(q, k_pages) is None:
+        if attention_pallas_triton.supports(q, k_pages, v_pages) is None:
             return "pallas_triton"
     return "xla"
 
@@ -100,7 +100,7 @@ def paged_attention(q, k, v, meta: StepMetadata, pools, *, block_size: int, quer
     within = positions % block_size
     k_pages = k_pages.at[page, within].set(k.astype(k_pages.dtype), mode="drop")
     v_pages = v_pages.at[page, within].set(v.astype(v_pages.dtype), mode="drop")
-    if choose_attention(q, k_pages, implementation) == "pallas_triton":
+    if choose_attention(q, k_pages, v_pages, implementation) == "pallas_triton":
         from jaxckpt.layers import attention_pallas_triton
 
         out = attention_pallas_triton.attend(q, k_pages, v_pages, cu, positions, meta.block_tables,

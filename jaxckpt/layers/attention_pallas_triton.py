@@ -35,19 +35,19 @@ KEYS_PER_STEP = 64
 
 def block_sizes(num_groups: int, page_size: int, *, block_q: int | None = None) -> tuple[int, int]:
     """(block_q, block_k): block_q * num_groups query rows per program (128 by default), block_k the largest power
-    of two up to 64 dividing the page size."""
+    of two up to KEYS_PER_STEP dividing the page size."""
     if block_q is None:
         block_q = max(1, 128 // num_groups)
-    block_k = 64
+    block_k = KEYS_PER_STEP
     while page_size % block_k:
         block_k //= 2
     return block_q, block_k
 
 
-def supports(q, k_pages, *, block_q: int | None = None) -> str | None:
+def supports(q, k_pages, v_pages, *, block_q: int | None = None) -> str | None:
     """None when the kernel runs these shapes, else the reason it declines."""
     _, _, num_groups, head_dim = q.shape
-    page_size, value_dim = k_pages.shape[1], k_pages.shape[-1]
+    page_size, value_dim = k_pages.shape[1], v_pages.shape[-1]
     block_q, block_k = block_sizes(num_groups, page_size, block_q=block_q)
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     if not (pow2(num_groups) and pow2(block_q)):
@@ -56,8 +56,8 @@ def supports(q, k_pages, *, block_q: int | None = None) -> str | None:
         return f"head dims {head_dim}, {value_dim} must be powers of two of at least 16 (Triton tiles)"
     if block_q * num_groups < 16:
         return f"block_q * group = {block_q * num_groups} query rows, Triton dots need at least 16"
-    if block_k < 8:
-        return f"page size {page_size}: no power of two of at least 8 divides it"
+    if block_k < 16:
+        return f"page size {page_size}: no power of two of at least 16 divides it (Triton dots need 16 keys)"
     return None
 
 
@@ -139,7 +139,7 @@ def attend(q, k_pages, v_pages, cu_seqlens, positions, block_tables, *, block_q:
     num_tokens, num_kv_heads, num_groups, head_dim = q.shape
     page_size, value_dim = k_pages.shape[1], v_pages.shape[-1]
     block_q, block_k = block_sizes(num_groups, page_size, block_q=block_q)
-    reason = supports(q, k_pages, block_q=block_q)
+    reason = supports(q, k_pages, v_pages, block_q=block_q)
     if reason is not None:
         raise ValueError(f"implementation: 'pallas_triton' paged attention declines: {reason}")
     rows = block_q * num_groups

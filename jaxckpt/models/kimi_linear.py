@@ -77,6 +77,9 @@ class KimiLinearConfig(PublishedConfig):
         if len(self.mlp_layer_types) != len(self.layer_types) or not set(self.mlp_layer_types) <= {"dense", "sparse"}:
             raise ValueError(f"mlp_layer_types: must hold 'dense' or 'sparse' for each of the {len(self.layer_types)} "
                              f"layers, got {list(self.mlp_layer_types)}")
+        if self.attention_implementation is not None:
+            raise ValueError(f"attention_implementation: Kimi-Linear's MLA attends over its latent pages on one path, "
+                             f"so it takes None, got {self.attention_implementation!r}")
         if self.num_key_value_heads not in (None, self.num_attention_heads):
             raise ValueError(f"num_key_value_heads: MLA expands its latent to every head, so it must equal "
                              f"num_attention_heads={self.num_attention_heads}, got {self.num_key_value_heads}")

@@ -261,7 +261,7 @@ def local_mixer(layer, num_shards: int, *, axis: str, rngs: nnx.Rngs):
     if isinstance(layer, Attention):
         return Attention(d_model, num_heads=layer.num_heads // n, num_kv_heads=layer.num_kv_heads // n,
                          head_dim=layer.head_dim, block_size=layer.block_size, rope_theta=layer.rope_theta,
-                         query_tile=layer.query_tile, **common)
+                         query_tile=layer.query_tile, implementation=layer.implementation, **common)
     raise ValueError(f"layer: no sharded layout for {type(layer).__name__}")
 
 
@@ -487,7 +487,8 @@ def _local_published_mixer(layer, config, n: int, *, axis: str, rngs: nnx.Rngs):
         return GraniteMoeHybridAttention(
             config.hidden_size, scale=layer.scale, use_rope=layer.use_rope, num_heads=layer.num_heads // n,
             num_kv_heads=layer.num_kv_heads // n, head_dim=layer.head_dim, block_size=layer.block_size,
-            rope_theta=layer.rope_theta, query_tile=layer.query_tile, dtype=dtype, rngs=rngs)
+            rope_theta=layer.rope_theta, query_tile=layer.query_tile, implementation=layer.implementation, dtype=dtype,
+            rngs=rngs)
     return local_mixer(layer, n, axis=axis, rngs=rngs)
 
 

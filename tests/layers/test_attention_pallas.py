@@ -14,7 +14,7 @@ from tests.numerics import rel_rms
 pytestmark = pytest.mark.interpret
 
 
-@pytest.mark.parametrize("page, groups, block_q", [(16, 2, 8), (24, 4, None), (32, 1, 16)])
+@pytest.mark.parametrize("page, groups, block_q", [(16, 2, 8), (48, 4, None), (32, 1, 16)])
 def test_flash_paged_attention_matches_the_plain_one(page, groups, block_q):
     rng = np.random.default_rng(page + groups)
     kv_heads, dim = 2, 16
@@ -55,15 +55,18 @@ def test_the_choice_and_what_the_kernel_declines(monkeypatch):
     q = jnp.zeros((8, 2, 3, 16))
     supported = jnp.zeros((8, 2, 4, 16))
     pages = jnp.zeros((4, 16, 2, 16))
-    assert choose_attention(supported, pages, None) == "xla"  # off the GPU
-    assert choose_attention(q, pages, "pallas_triton") == "pallas_triton"
+    assert choose_attention(supported, pages, pages, None) == "xla"  # off the GPU
+    assert choose_attention(q, pages, pages, "pallas_triton") == "pallas_triton"
     # on a GPU the flash kernel wherever it takes the shapes, the plain path where it declines them
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert choose_attention(supported, pages, None) == "pallas_triton"
-    assert choose_attention(q, pages, None) == "xla"
-    assert choose_attention(supported, pages, "xla") == "xla"
-    assert "powers of two" in attention_pallas_triton.supports(q, pages)
-    assert attention_pallas_triton.supports(jnp.zeros((8, 2, 4, 16)), pages) is None
-    assert "page size 20" in attention_pallas_triton.supports(jnp.zeros((8, 2, 4, 16)), jnp.zeros((4, 20, 2, 16)))
+    assert choose_attention(supported, pages, pages, None) == "pallas_triton"
+    assert choose_attention(q, pages, pages, None) == "xla"
+    assert choose_attention(supported, pages, jnp.zeros((4, 16, 2, 24)), None) == "xla"  # V's head dim
+    assert choose_attention(supported, jnp.zeros((4, 24, 2, 16)), jnp.zeros((4, 24, 2, 16)), None) == "xla"
+    assert choose_attention(supported, pages, pages, "xla") == "xla"
+    assert "powers of two" in attention_pallas_triton.supports(q, pages, pages)
+    assert attention_pallas_triton.supports(supported, pages, pages) is None
+    assert "16, 24" in attention_pallas_triton.supports(supported, pages, jnp.zeros((4, 16, 2, 24)))
+    assert "page size 24" in attention_pallas_triton.supports(supported, *[jnp.zeros((4, 24, 2, 16))] * 2)
     with pytest.raises(ValueError, match="^implementation: paged attention is one of"):
-        choose_attention(q, pages, "cudnn")
+        choose_attention(q, pages, pages, "cudnn")

@@ -164,3 +164,5 @@ def test_config_reads_the_published_form_and_rejects_what_it_cannot_run():
                           (dict(num_experts_per_token=300), "num_experts_per_tok")):
         with pytest.raises(ValueError, match=field):
             KimiLinearConfig.from_hf(published | change)
+    with pytest.raises(ValueError, match="^attention_implementation"):  # MLA has one path
+        KimiLinearConfig.from_hf(published, attention_implementation="xla")

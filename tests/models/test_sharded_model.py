@@ -152,3 +152,16 @@ def test_sharded_model_matches_single_device():
     assert "engine: mesh 4 ok" in lines, lines
     assert any(line.startswith("layers: mamba2 mesh 2, attention mesh 1 ok") for line in lines), lines
     assert "indivisible: ValueError num_kv_heads axis num_devices" in lines, lines
+
+
+def test_a_shard_keeps_the_attention_implementation_asked_for():
+    from flax import nnx
+
+    from jaxckpt.layers import Attention
+    from jaxckpt.models.sharded import local_mixer
+
+    for implementation in ("xla", "pallas_triton", None):
+        layer = Attention(64, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, implementation=implementation,
+                          rngs=nnx.Rngs(0))
+        local = local_mixer(layer, 2, axis="heads", rngs=nnx.Rngs(0))
+        assert (local.num_heads, local.implementation) == (2, implementation)
