@@ -73,6 +73,22 @@ def test_strategies_and_decode_rows_match_the_reference(op, method):
     assert rel(got[2][:4], expected[2][:4]) < 1e-5
 
 
+@pytest.mark.interpret
+def test_kernels_decline_forced_break_rather_than_run_in_chunk():
+    q, k, v, g, beta = delta_inputs(np.random.default_rng(2), 10, K=16, V=16)
+    call = dict(q=q, k=k, v=v, g=g, beta=beta, chunk_size=16, interpret=True)
+    needs = {"checkpoint_method": "forced_break"}
+    registry = {name: GDN_REGISTRY[name] for name in ("pallas_triton", "xla")}
+    assert choose_implementation(registry, None, **call).name == "pallas_triton"
+    choice = choose_implementation(registry, None, needs=needs, **call)
+    assert choice.name == "xla" and "checkpoint_method" in dict(choice.declined)["pallas_triton"]
+    with pytest.raises(ValueError, match="does not support this call: checkpoint_method: 'forced_break'"):
+        ops.gated_delta_rule(q, k, v, g, beta, implementation="pallas_triton", checkpoint_method="forced_break",
+                             chunk_size=16, kernel_options={"interpret": True})
+    # the reference has no chunks: every method is its own exact answer
+    ops.gated_delta_rule(q, k, v, g, beta, implementation="reference", checkpoint_method="forced_break")
+
+
 def test_default_implementation_falls_back_to_xla_with_reasons():
     q, k, v, g, beta = delta_inputs(np.random.default_rng(1), 10)
     choice = choose_implementation(GDN_REGISTRY, None, q=q, k=k, v=v, g=g, beta=beta, state_layout="kv",

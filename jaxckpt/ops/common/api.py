@@ -65,12 +65,25 @@ def _differentiable(module, call: Mapping[str, object]) -> bool:
     return differentiable is not None and differentiable(**call)
 
 
+def _unhonoured(function, needs: Mapping[str, object]) -> str | None:
+    if not needs:
+        return None
+    params = inspect.signature(function).parameters
+    for name, value in needs.items():
+        if name not in params:
+            return f"{name}: {value!r} is not an option of this implementation"
+    return None
+
+
 def choose_implementation(registry: Mapping[str, str], implementation: str | None, *, cu_seqlens=None,
-                          **call) -> Choice:
+                          needs: Mapping[str, object] | None = None, **call) -> Choice:
     """The implementation to run: the one named, or the first of DEFAULT_ORDER that supports this call here.
 
-    `call` goes to each module's `supports`; `cu_seqlens` too where `supports` names it.
+    `call` goes to each module's `supports`; `cu_seqlens` too where `supports` names it. `needs`: options the call
+    sets that an implementation honours only if its function takes them by name (e.g. checkpoint_method=
+    "forced_break"); one that does not declines.
     """
+    needs = needs or {}
     if implementation is not None:
         if implementation not in registry:
             raise ValueError(f"implementation: must be one of {sorted(registry)} or None, got {implementation!r}")
@@ -78,7 +91,7 @@ def choose_implementation(registry: Mapping[str, str], implementation: str | Non
             module, function = _load(registry[implementation])
         except ImportError as error:
             raise ValueError(f"implementation: {implementation!r} is unavailable here: {error}") from error
-        reason = _decline_reason(module, call, cu_seqlens)
+        reason = _decline_reason(module, call, cu_seqlens) or _unhonoured(function, needs)
         if reason is not None:
             raise ValueError(f"implementation: {implementation!r} does not support this call: {reason}")
         return Choice(implementation, function, (), _differentiable(module, call))
@@ -91,7 +104,7 @@ def choose_implementation(registry: Mapping[str, str], implementation: str | Non
         except ImportError as error:
             declined.append((name, f"unavailable: {error}"))
             continue
-        reason = _decline_reason(module, call, cu_seqlens)
+        reason = _decline_reason(module, call, cu_seqlens) or _unhonoured(function, needs)
         if reason is None:
             return Choice(name, function, tuple(declined), _differentiable(module, call))
         declined.append((name, reason))
@@ -276,7 +289,11 @@ def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapp
                checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets, num_decodes=num_decodes,
                state_shape=state_shape)
     # all rows, decode rows included: a bound on the prefill rows the kernel gets
-    choice = choose_implementation(registry, implementation, cu_seqlens=cu_seqlens, **support_call)
+    # the chunked paths read "forced_break" (a chunk starts at every checkpoint); the kernels export inside their
+    # fixed chunks only, so they decline it rather than run "in_chunk" in its place (the reference has no chunks)
+    needs = {"checkpoint_method": checkpoint_method} if checkpoint_method == "forced_break" else {}
+    choice = choose_implementation(registry, implementation, cu_seqlens=cu_seqlens,
+                                   needs=needs if implementation != "reference" else {}, **support_call)
     function = choice.function
     if not choice.differentiable:
         picked = repr(choice.name) if implementation else f"None picked {choice.name!r}, which"

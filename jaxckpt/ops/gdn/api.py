@@ -35,8 +35,9 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initi
     pieces joined by their affine state maps; options via `kernel_options`, see `jaxckpt.ops.gdn.sequence_parallel`),
     or None for the fastest that supports the call here (never "sequence_parallel": name it).
     `checkpoint_method`: "in_chunk" (fixed chunk grid; outputs bitwise unchanged by checkpoints), "forced_break" (a
-    chunk starts at every checkpoint) or "split" (launch j runs segment j of every row; host metadata). The first
-    `num_decodes` rows must be single tokens; they skip the chunk machinery.
+    chunk starts at every checkpoint; "xla" only: the kernels decline it, so None picks "xla") or "split" (launch j
+    runs segment j of every row; host metadata). The first `num_decodes` rows must be single tokens; they skip the
+    chunk machinery.
     Returns (o [T, HV, V], final_state fp32 [N, ...], checkpoint_states fp32 [M, ...]; M = 0 without checkpoints).
     """
     options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, state_layout=state_layout)
