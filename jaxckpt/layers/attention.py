@@ -65,8 +65,8 @@ def check_attention_implementation(implementation: str | None) -> str | None:
 
 def choose_attention(q, k_pages, v_pages, implementation: str | None) -> str:
     """The paged attention that runs: `implementation` when given (it raises if the shapes are not supported), else
-    on a GPU the Pallas Triton flash attention where it supports the shapes (`bench/results/models_prefill_h200.md`:
-    the plain path is quadratic in memory traffic), and the plain path ("xla") elsewhere."""
+    on a GPU the Pallas Triton flash attention where it supports the shapes (measured against the plain path in
+    `bench/results/models_prefill_attention_h200.md`), and the plain path ("xla") elsewhere."""
     if check_attention_implementation(implementation) is not None:
         return implementation
     if jax.default_backend() == "gpu":

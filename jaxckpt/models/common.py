@@ -237,8 +237,8 @@ class Experts(nnx.Module):
         # the dropped pairs sort last, past every group
         out = jnp.where(mine[order][:, None], out * weights.reshape(-1)[order][:, None].astype(x.dtype), 0)
         # each token's pairs by their places in `order`, ascending: its experts in ascending order, summed one by one
-        # in x.dtype as transformers' index_add does; a gather, where a scatter-add of the [T * k, d_model] pairs
-        # took a fifth of a Qwen3-Next prefill on the H200 (bench/results/models_prefill_h200.md)
+        # in x.dtype as transformers' index_add does; a gather, not a scatter-add of the [T * k, d_model] pairs, which
+        # is slow on GPUs and sums in no fixed order (jaxckpt/models/README.md, "GPU: Qwen3-Next prefill")
         num_pairs = num_tokens * top_k
         place = jnp.zeros(num_pairs, jnp.int32).at[order].set(jnp.arange(num_pairs, dtype=jnp.int32),
                                                                unique_indices=True)

@@ -291,9 +291,10 @@ def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapp
     # all rows, decode rows included: a bound on the prefill rows the kernel gets
     # the chunked paths read "forced_break" (a chunk starts at every checkpoint); the kernels export inside their
     # fixed chunks only, so they decline it rather than run "in_chunk" in its place (the reference has no chunks)
-    needs = {"checkpoint_method": checkpoint_method} if checkpoint_method == "forced_break" else {}
+    forced_break = checkpoint_method == "forced_break" and implementation != "reference"
     choice = choose_implementation(registry, implementation, cu_seqlens=cu_seqlens,
-                                   needs=needs if implementation != "reference" else {}, **support_call)
+                                   needs={"checkpoint_method": checkpoint_method} if forced_break else {},
+                                   **support_call)
     function = choice.function
     if not choice.differentiable:
         picked = repr(choice.name) if implementation else f"None picked {choice.name!r}, which"

@@ -6,9 +6,9 @@ Four launches (five for KDA, whose intra pass is two), FLA-like (`chunk_gated_de
 
 1. `_cumsum_kernel`, grid (chunk, value head): chunk-local inclusive cumulative log decay G, written chunk-major
    [HV, NC, C(, K)] in fp32; for fp32 I/O as two arrays, hi + lo (`log_decay.split_cumsum`), so that every
-   exp(G_a - G_b) below is taken of (hi_a - hi_b) + (lo_a - lo_b), exact to the range's own size however strong the
-   decays before it (`pallas_triton_tiles.Cumsum`). A separate pass because every later kernel reads sub-tiles and single rows of G,
-   and register tiles cannot be sliced in the Triton lowering (no `slice` rule).
+   exp(G_a - G_b) below is taken of (hi_a - hi_b) + (lo_a - lo_b), whose error does not grow with the decays before
+   the pair (`pallas_triton_tiles.Cumsum`). A separate pass because every later kernel reads sub-tiles and single
+   rows of G, and register tiles cannot be sliced in the Triton lowering (no `slice` rule).
 2. The intra pass (GDN: `_intra_kernel_v2`, grid (chunk, value head); KDA: two launches, below): everything that
    does not need the carried state, on 16-row sub-blocks (static loops over C / 16 <= 4 blocks, so no tile is ever
    sliced): A = strictly-lower beta-scaled key scores, T = (I + A)^-1, W = T (beta exp(G) K), U = T (beta V), and
@@ -625,7 +625,7 @@ def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seq
     """Metadata, input casts and the gate cumsum launch (`_cumsum_kernel`): what `delta_rule`'s later passes and
     `pallas_mosaic_gpu_delta` start from. `split_gates`: for fp32 I/O, G as hi + lo (`gate_cumsum(split=True)`), as
     this module's kernels take it (16-bit inputs keep one G: its cancellation is far below their error class, and
-    KDA's second G tile costs 15% at (1, 32768, 16), `bench/results/triton_split_ab_*_h200.md`)."""
+    the second G tile costs KDA time; bench/README.md, "Pallas Triton")."""
     num_tokens, _, head_k = q.shape
     chunk = chunk_size
     if scale is None:

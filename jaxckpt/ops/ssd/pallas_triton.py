@@ -3,9 +3,8 @@
 The math (chunked form, in-chunk checkpoint formula) is in README.md. delta = clamp(softplus(dt + dt_bias)) and the
 chunk-local inclusive cumsum Acs of a = delta A are cheap elementwise work and stay in jnp, written chunk-major
 [H, NC, C] fp32 (padding slots get delta = 0, so they neither decay nor add input); for fp32 I/O as hi + lo
-(`log_decay.split_cumsum`: every exp(Acs_i - Acs_j) below is exact to the range's own size, however strong the
-decays before it; 16-bit inputs keep one Acs, 5% faster, its cancellation far below their error class). Then four
-launches:
+(`log_decay.split_cumsum`: the error of every exp(Acs_i - Acs_j) below does not grow with the decays before the
+pair; 16-bit inputs keep one Acs, whose cancellation is far below their error class). Then four launches:
 
 1. `_local_state_kernel`, grid (chunk, head): S_loc = sum_j exp(Acs_last - Acs_j) delta_j x_j B_j^T as one
    [P, C] x [C, N] dot, written [H, NC, P, N] fp32.
