@@ -106,10 +106,10 @@ def test_token_layout_output_with_nan_padding(op, state, pieces):
     # 1537, 1538) through the untiled staging view, partial last chunks as 32, ..., 1-row boxes, then 75 padding
     # tokens holding NaN zeroed by the extra lane (one 64-row box and 11 rows); token by token against the Triton
     # pipeline, the padding exactly zero
-    from jaxckpt.ops.common.pallas_mosaic_gpu_delta import _is_hopper
+    from jaxckpt.ops.common.device import is_hopper
     from tests.gpu.mosaic_cases import delta_inputs
 
-    if not _is_hopper():
+    if not is_hopper():
         pytest.skip("needs a Hopper GPU")
     lengths, offsets, padding = (37, 1500, 1, 551), ((1, 36), (1, 64, 100, 640, 1499), (), (64, 500, 550)), 75
     num_real = sum(lengths)

@@ -75,8 +75,7 @@ def assert_matches(actual, expected, tol):
     (16, (1, 2), 16, 32, "kv", dict(fuse_output=True)),
     (64, (2, 4), 32, 16, "vk", dict()),
     (32, (1, 2), 16, 16, "kv", dict()),
-    (16, (1, 2), 16, 32, "vk", dict(checkpoint_pass="after")),
-    (32, (2, 2), 32, 16, "kv", dict(checkpoint_pass="after", fuse_output=True, block_v=16)),
+    (32, (2, 2), 32, 16, "kv", dict(fuse_output=True, block_v=16)),
 ])
 def test_gdn_matches_reference(chunk_size, heads, head_k, head_v, layout, tuning):
     rng = np.random.default_rng(11 + chunk_size)
@@ -91,7 +90,7 @@ def test_gdn_matches_reference(chunk_size, heads, head_k, head_v, layout, tuning
     (32, 16, 32, "kv", "softplus", dict(fuse_output=True)),
     (64, 32, 16, "vk", "bounded", dict()),
     (16, 16, 16, "kv", "softplus", dict()),
-    (16, 16, 32, "vk", "bounded", dict(checkpoint_pass="after")),
+    (16, 16, 32, "vk", "bounded", dict(fuse_output=True)),
 ])
 def test_kda_matches_reference(chunk_size, head_k, head_v, layout, gate, tuning):
     rng = np.random.default_rng(23 + chunk_size)
@@ -112,8 +111,7 @@ def test_kda_matches_reference(chunk_size, head_k, head_v, layout, gate, tuning)
     (gdn_pallas.gated_delta_rule, False, dict()),
     (kda_pallas.kda, True, dict()),
     (gdn_pallas.gated_delta_rule, False, dict(fuse_output=True)),
-    (gdn_pallas.gated_delta_rule, False, dict(checkpoint_pass="after")),
-    (kda_pallas.kda, True, dict(checkpoint_pass="after", fuse_output=True)),
+    (kda_pallas.kda, True, dict(fuse_output=True)),
 ])
 def test_checkpoints_leave_outputs_bitwise_unchanged(op, per_channel, tuning):
     rng = np.random.default_rng(37 + per_channel)
@@ -146,7 +144,6 @@ def test_supports_names_the_reason():
     assert "chunk_size" in gdn_pallas.supports(**inputs, chunk_size=128, interpret=True)
     assert "block_v" in gdn_pallas.supports(**inputs, interpret=True, block_v=48)
     assert "unknown" in gdn_pallas.supports(**inputs, interpret=True, num_warp=4)
-    assert "checkpoint_pass" in gdn_pallas.supports(**inputs, interpret=True, checkpoint_pass="later")
     odd = dict(inputs, v=jnp.zeros((8, 1, 24), jnp.float32))
     assert gdn_pallas.supports(**odd, interpret=True).startswith("V:")
     assert kda_pallas.supports(**inputs, interpret=True).startswith("g:")

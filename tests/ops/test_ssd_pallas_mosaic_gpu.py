@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxckpt.ops.common import device
 from jaxckpt.ops.ssd import pallas_mosaic_gpu as mosaic
 from jaxckpt.ops.ssd import reference
 from tests.numerics import rel_rms
@@ -176,7 +177,7 @@ def test_lowers_for_sm90(monkeypatch, head_p, head_n, gate, stages):
     sizes = []
     tree_size = mosaic_core._smem_tree_size
     monkeypatch.setattr(mosaic_core, "_smem_tree_size", lambda tree: sizes.append(tree_size(tree)) or sizes[-1])
-    monkeypatch.setattr(mosaic, "_is_hopper", lambda: True)
+    monkeypatch.setattr(device, "is_hopper", lambda: True)
     T, H = 256, 4
     spec = jax.ShapeDtypeStruct
     bf = jnp.bfloat16

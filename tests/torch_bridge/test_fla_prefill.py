@@ -16,19 +16,29 @@ from jaxckpt.plan.conventions import NULL_SLOT, PAD_CHECKPOINT_OFFSET  # noqa: E
 from tests.torch_bridge.helpers import assert_each_raises, check_outputs, two_row_paged_options  # noqa: E402
 from tests.numerics import rel_rms  # noqa: E402
 from torch_bridge.ops.fla_prefill import (chunk_gated_delta_rule_split, chunk_gated_delta_rule_split_paged,  # noqa
-                                          chunk_kda_native, chunk_kda_native_paged, chunk_kda_split)
+                                          chunk_kda_native, chunk_kda_native_paged, chunk_kda_split,
+                                          chunk_kda_split_paged, split_prefill)
 
 BOUND = 1e-6
 
 
 class FakeFLA:
-    """chunk_gated_delta_rule / chunk_kda in float64, token by token; `calls` records each launch's cu_seqlens."""
+    """chunk_gated_delta_rule / chunk_kda in float64, token by token; `calls` records each launch's cu_seqlens,
+    `keywords` the keywords of each launch. The model options follow FLA 0.6.0's definitions (l2norm with eps 1e-6
+    inside the sqrt; KDA's fused gate from A_log, dt_bias, lower_bound)."""
 
     def __init__(self):
         self.calls = []
+        self.keywords = []
 
-    def __call__(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                 cu_seqlens_cpu=None, state_v_first=False, return_intermediate_states=False):
+    def __call__(self, *args, **keywords):
+        self.keywords.append(keywords)
+        return self._run(*args, **keywords)
+
+    def _run(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, lower_bound=None,
+             return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, A_log=None,
+             dt_bias=None):
         assert q.ndim == 4 and q.shape[0] == 1
         assert cu_seqlens.dtype == torch.int64 and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
         assert initial_state.dtype == torch.float32 and initial_state.shape[0] == cu_seqlens.numel() - 1
@@ -37,6 +47,13 @@ class FakeFLA:
         self.calls.append(cu_seqlens_cpu.tolist())
         out_dtype = q.dtype
         q, k, v, g, beta = (t[0].double() for t in (q, k, v, g, beta))
+        if use_qk_l2norm_in_kernel:
+            q, k = (t / (t * t).sum(-1, keepdim=True).add(1e-6).sqrt() for t in (q, k))
+        if use_gate_in_kernel:
+            x = g + (0 if dt_bias is None else dt_bias.double().reshape(g.shape[1:]))
+            rate = 1 if A_log is None else A_log.double().exp()[:, None]
+            g = -rate * torch.nn.functional.softplus(x) if lower_bound is None else lower_bound * torch.sigmoid(
+                rate * x)
         num_v_heads = v.shape[1]
         group = num_v_heads // q.shape[1]
         scale = q.shape[-1] ** -0.5 if scale is None else scale

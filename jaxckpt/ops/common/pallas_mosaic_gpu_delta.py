@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxckpt.ops.common import device
 from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as gdn_fused
 from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mosaic_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mosaic_kda_intra
@@ -74,11 +75,6 @@ _NOT_FUSED = ("kda_score_parts", "intra_inverse")
 # the Mosaic GPU intra kernels' options as the op names them
 _MOSAIC_INTRA_TUNING = {"kda_score_parts": "score_parts", "intra_inverse": "inverse"}
 _F32 = jnp.float32
-
-
-def _is_hopper() -> bool:
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
 def default_tuning(*, per_channel_decay, state=None):
@@ -182,7 +178,7 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=Non
     reason = triton_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **cumsum_tuning)
     if reason is not None:
         return f"gate cumsum (pallas_triton): {reason}"
-    if not interpret and not _is_hopper():
+    if not interpret and not device.is_hopper():
         return "backend: the Mosaic GPU state pass needs a Hopper GPU (sm_90, wgmma) or interpret=True"
     return None
 

@@ -94,9 +94,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxckpt.ops.common import device
 from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mosaic_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
-from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges
 
 CHUNK = 64
 BLOCK_V = 64
@@ -110,7 +111,7 @@ _STATE, _OUTPUT, _MEMORY = 0, 1, 2  # warpgroup ids
 
 
 class Checkpoints(NamedTuple):
-    """Where the lanes export checkpoint states (`pallas_triton_delta._checkpoint_ranges`, `chunk_layout`)."""
+    """Where the lanes export checkpoint states (`checkpoint_chunks.checkpoint_ranges`, `chunk_layout`)."""
 
     ck_start: object        # i32[NC] per chunk, the CSR range [ck_start, ck_start + ck_count) of its checkpoints
     ck_count: object        # i32[NC]
@@ -130,11 +131,7 @@ def supports(q, k, v, beta, *, interpret=False) -> str | None:
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return (f"q, k, v: one 16-bit dtype (bfloat16 or float16) for the wgmma operands, got {q.dtype}, {k.dtype}, "
                 f"{v.dtype}")
-    if not interpret:
-        device = jax.devices()[0]
-        if device.platform != "gpu" or getattr(device, "compute_capability", None) != "9.0":
-            return f"backend: wgmma needs an sm_90 GPU (or interpret=True), got {device.device_kind!r}"
-    return None
+    return None if interpret else device.hopper_reason()
 
 
 def _decayed_lower(G_row, G_col, shape):
@@ -154,29 +151,29 @@ def _kkt_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, t0_ref, qc_re
     hk = lax.div(h, group)
     start, length = start_ref[c], len_ref[c]
     rows = pl.ds(start, CHUNK)
-    mosaic_intra._land(q_ref.at[rows, hk], land_q, bar)
-    mosaic_intra._land(k_ref.at[rows, hk], land_k, bar)
-    mosaic_intra._land(v_ref.at[rows, h], land_v, bar)
+    tiles.land(q_ref.at[rows, hk], land_q, bar)
+    tiles.land(k_ref.at[rows, hk], land_k, bar)
+    tiles.land(v_ref.at[rows, h], land_v, bar)
     plgpu.copy_gmem_to_smem(beta_ref.at[h, c], b_row_s, bar)
     plgpu.barrier_wait(bar)
 
-    k = mosaic_intra._tokens(land_k, length)  # [C, K] fp32, rows past the chunk zero
+    k = tiles.landed_tokens(land_k, length)  # [C, K] fp32, rows past the chunk zero
     k_s.at[0][...] = k.astype(k_s.dtype)
     plgpu.commit_smem()
     sq = (CHUNK, CHUNK)
     (kk,) = tiles.dots(((k_s.at[0],), (k_s.at[0].T,), sq))
     # the masked copies leave through their own landing tiles while the inverse runs
-    mosaic_intra._store_in_place(land_v, mosaic_intra._tokens(land_v, length), vc_ref.at[h, c])
+    tiles.store_in_place(land_v, tiles.landed_tokens(land_v, length), vc_ref.at[h, c])
 
     @pl.when(lax.rem(h, group) == 0)  # one CTA per key head writes its q, k copies
     def _():
-        q = mosaic_intra._tokens(land_q, length)
-        mosaic_intra._store_in_place(land_q, q, qc_ref.at[hk, c])
-        mosaic_intra._store_in_place(land_k, k, kc_ref.at[hk, c])
+        q = tiles.landed_tokens(land_q, length)
+        tiles.store_in_place(land_q, q, qc_ref.at[hk, c])
+        tiles.store_in_place(land_k, k, kc_ref.at[hk, c])
 
     b_row = plgpu.load(b_row_s, layout=_ROW)
     A = jnp.where(tiles.iota(sq, 0) > tiles.iota(sq, 1), tiles.by_row(b_row, sq) * kk, 0.0)
-    (t_term,) = mosaic_intra._inverse(A, t_buf, p_buf, t_out, pad=pad[0] if substitute else None)
+    (t_term,) = mosaic_intra.doubling_inverse(A, t_buf, p_buf, t_out, pad=pad[0] if substitute else None)
     plgpu.copy_smem_to_gmem(t_term, t0_ref.at[h, c])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -567,7 +564,7 @@ def gdn_fused_pass(p, init, *, interpret=False, kkt_inverse="f16"):
                                         interpret=interpret, inverse=kkt_inverse)
     checkpoints = None
     if lay.checkpoint_pos.shape[0]:
-        ck_start, ck_count = triton_delta._checkpoint_ranges(lay, lay.chunk_len.shape[0])
+        ck_start, ck_count = checkpoint_ranges(lay, lay.chunk_len.shape[0])
         checkpoints = Checkpoints(ck_start, ck_count, lay.checkpoint_pos)
     return gdn_fused_lanes(lay.row_first_chunk, lay.row_num_chunks, lay.chunk_start, lay.chunk_len, q_c, k_c, v_c,
                            beta_c, p.G, t0, init, checkpoints, group=group, scale=p.scale, num_tokens=p.q.shape[0],

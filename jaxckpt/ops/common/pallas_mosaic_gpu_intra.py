@@ -125,6 +125,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxckpt.ops.common import device
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
@@ -178,11 +179,7 @@ def launch_reason(num_chunks, *, chunks_per_cta=1, interpret=False) -> str | Non
     reason = grid_reason(num_chunks, chunks_per_cta=chunks_per_cta)
     if reason is not None:
         return reason
-    if not interpret:
-        device = jax.devices()[0]
-        if device.platform != "gpu" or getattr(device, "compute_capability", None) != "9.0":
-            return f"backend: wgmma needs an sm_90 GPU (or interpret=True), got {device.device_kind!r}"
-    return None
+    return None if interpret else device.hopper_reason()
 
 
 def check_launch(reason, q, v, *, group):
@@ -199,7 +196,7 @@ def _dot(lhs, rhs, shape):
     return out
 
 
-def _inverse(A, t_buf, p_buf, lhs_buf=None, *, pad=None):
+def doubling_inverse(A, t_buf, p_buf, lhs_buf=None, *, pad=None):
     """(I + A)^-1 of a strictly lower-triangular fp32 [C, C] tile by recursive doubling (module docstring, step 4).
 
     t_buf, p_buf: swizzled [parts, C, C] SMEM for the terms of the wgmma operands (bf16 (hi, lo) or one fp16 term,
@@ -242,35 +239,6 @@ def _stage_out(stages, x, dst):
     plgpu.copy_smem_to_gmem(stage, dst)
 
 
-def _pieces(land):
-    """A landing tile's TMA boxes: the whole [C, N] row-major tile, or each 128-byte column piece of a swizzled one."""
-    return [land] if land.ndim == 2 else [land.at[j] for j in range(land.shape[0])]
-
-
-def _land(src, land, bar):
-    """TMA of src (GMEM [C, N]) into its landing tile, one box per piece."""
-    for j, piece in enumerate(_pieces(land)):
-        width = piece.shape[-1]
-        plgpu.copy_gmem_to_smem(src.at[:, pl.ds(j * width, width)], piece, bar)
-
-
-def _tokens(land, length):
-    """The landing tile's rows as fp32 [C, N], rows past the chunk's length zero (`where`: NaN padding stays out)."""
-    x = jnp.concatenate([plgpu.load(piece, layout=_WG) for piece in _pieces(land)], axis=1).astype(_F32)
-    return jnp.where(tiles.iota(x.shape, 0) < length, x, 0.0)
-
-
-def _store_in_place(land, x, dst):
-    """x [C, N] -> dst (GMEM) through its (consumed) landing tile, piece by piece."""
-    for j, piece in enumerate(_pieces(land)):
-        width = piece.shape[-1]
-        piece[...] = x[:, j * width:(j + 1) * width].astype(piece.dtype)
-    plgpu.commit_smem()
-    for j, piece in enumerate(_pieces(land)):
-        width = piece.shape[-1]
-        plgpu.copy_smem_to_gmem(piece, dst.at[:, pl.ds(j * width, width)])
-
-
 def _decay(G_row, G_col):
     """exp(G_i - G_j) on i >= j, else 0 (masked to -inf before exp)."""
     sq = (CHUNK, CHUNK)
@@ -294,9 +262,9 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_re
     start, length = start_ref[c], len_ref[c]
     G_last = G_ref[h, c, CHUNK - 1]  # padding rows have g = 0: the last real token's cumulative decay
     rows = pl.ds(start, CHUNK)
-    _land(q_ref.at[rows, hk], land_q, bar)
-    _land(k_ref.at[rows, hk], land_k, bar)
-    _land(v_ref.at[rows, h], land_v, bar)
+    tiles.land(q_ref.at[rows, hk], land_q, bar)
+    tiles.land(k_ref.at[rows, hk], land_k, bar)
+    tiles.land(v_ref.at[rows, h], land_v, bar)
     # row and column views of one vector need separate SMEM copies (layouts are inferred per ref)
     plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_row_s, bar)
     plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_col_s, bar)
@@ -307,13 +275,13 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_re
     G_row, b_row = plgpu.load(g_row_s, layout=_ROWS), plgpu.load(b_row_s, layout=_ROWS)
     gamma = jnp.exp(G_row)
 
-    k = _tokens(land_k, length)
+    k = tiles.landed_tokens(land_k, length)
     d, d_inv = tiles.key_scales(jnp.sum(k * k, axis=1))
     tiles.store_parts(k_s, k, parts)
     tiles.store_parts(kb_s, k * tiles.by_row(b_row * gamma * d, k.shape), parts)  # D (beta exp(G) K)
-    v = _tokens(land_v, length)
+    v = tiles.landed_tokens(land_v, length)
     tiles.store_parts(vb_s, v * tiles.by_row(b_row * d, v.shape), parts)  # D (beta V)
-    q = _tokens(land_q, length)
+    q = tiles.landed_tokens(land_q, length)
     plgpu.commit_smem()  # also a warpgroup barrier: the landing tiles are dead from here on
     _stage_out(score_stages, k * tiles.by_row(jnp.exp(G_last - G_row), k.shape), kd_ref.at[h, c])
     tiles.store_parts(q_s, q, parts)
@@ -329,7 +297,7 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_re
 
     A = _strict_A(S, b_row * d, decay) * tiles.by_col(tiles.as_cols(d_inv, CHUNK), sq)  # D A D^-1
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the score stages share their bytes with the inverse's
-    T = _inverse(A, *inv_bufs, pad=pad[0] if substitute else None)
+    T = doubling_inverse(A, *inv_bufs, pad=pad[0] if substitute else None)
     w, u = tiles.dots((T, tuple(kb_s.at[p] for p in range(parts)), (CHUNK, head_k)),
                  (T, tuple(vb_s.at[p] for p in range(parts)), (CHUNK, head_v)))
     w, u = (x * tiles.by_row(d_inv, x.shape) for x in (w, u))  # D^-1 T' D (.)
@@ -356,9 +324,9 @@ def _pipelined_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
 
     def issue(c):
         rows = pl.ds(start_ref[c], CHUNK)
-        _land(q_ref.at[rows, hk], land_q, bar)
-        _land(k_ref.at[rows, hk], land_k, bar)
-        _land(v_ref.at[rows, h], land_v, bar)
+        tiles.land(q_ref.at[rows, hk], land_q, bar)
+        tiles.land(k_ref.at[rows, hk], land_k, bar)
+        tiles.land(v_ref.at[rows, h], land_v, bar)
         plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_row_s, bar)
         plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_col_s, bar)
         plgpu.copy_gmem_to_smem(beta_ref.at[h, c], b_row_s, bar)
@@ -378,15 +346,15 @@ def _pipelined_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
             G_col = plgpu.load(g_col_s, layout=_COLS)
             gamma = jnp.exp(G_row)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's W, U have left kb_s (under k_s), vb_s
-            k = _tokens(land_k, length)
+            k = tiles.landed_tokens(land_k, length)
             k_s.at[0][...] = k.astype(io_dtype)
             kb = (k * tiles.by_row(b_row * gamma, k.shape)).astype(io_dtype)  # held until k_s is dead (kb_s aliases it)
-            v = _tokens(land_v, length)
+            v = tiles.landed_tokens(land_v, length)
             vb_s.at[0][...] = (v * tiles.by_row(b_row, v.shape)).astype(io_dtype)
-            q = _tokens(land_q, length)
+            q = tiles.landed_tokens(land_q, length)
             q_s.at[0][...] = q.astype(io_dtype)
-            _store_in_place(land_k, k * tiles.by_row(jnp.exp(G_last - G_row), k.shape), kd_ref.at[h, c])  # KD
-            _store_in_place(land_q, scale * q * tiles.by_row(gamma, q.shape), qg_ref.at[h, c])  # QG
+            tiles.store_in_place(land_k, k * tiles.by_row(jnp.exp(G_last - G_row), k.shape), kd_ref.at[h, c])  # KD
+            tiles.store_in_place(land_q, scale * q * tiles.by_row(gamma, q.shape), qg_ref.at[h, c])  # QG
 
             k_t = (k_s.at[0].T,)
             qk, S = tiles.dots(((q_s.at[0],), k_t, sq), ((k_s.at[0],), k_t, sq))
@@ -404,9 +372,9 @@ def _pipelined_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
             A = _strict_A(S, b_row, decay)
             if t_from_aqk_stage:  # T's single term for W, U lands where AQK is staged
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                T = _inverse(A, t_buf, p_buf, aqk_s)
+                T = doubling_inverse(A, t_buf, p_buf, aqk_s)
             else:
-                T = _inverse(A, t_buf, p_buf)
+                T = doubling_inverse(A, t_buf, p_buf)
             w, u = tiles.dots((T, (kb_s.at[0],), (CHUNK, head_k)), (T, (vb_s.at[0],), (CHUNK, head_v)))
             # W and U leave through their right-hand sides' tiles, which the finished wgmmas no longer read
             kb_s.at[0][...] = w.astype(io_dtype)

@@ -56,17 +56,16 @@ from __future__ import annotations
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxckpt.ops.common import device
 from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as gdn_fused
 from jaxckpt.ops.common import pallas_mosaic_gpu_state as lanes_kernel
-from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges
 
 MAX_PIECES = 8
 MIN_CHUNKS_PER_PIECE = 8
-DEFAULT_NUM_SMS = 132  # H200
 COLUMN_BLOCK = 64  # columns of S per CTA in both passes
 CHUNK = 64
 _F32 = jnp.float32
@@ -85,18 +84,12 @@ def split_lanes(row_first_chunk, row_num_chunks, *, pieces):
     return bounds[:, :-1].reshape(-1), jnp.diff(bounds, axis=1).reshape(-1)
 
 
-def _device_sms() -> int:
-    device = jax.devices()[0]
-    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
-    return int(count) if count else DEFAULT_NUM_SMS
-
-
 def choose_pieces(num_rows, num_v_heads, head_v, num_tokens, *, head_k=None, num_sms=None) -> int:
     """The piece count P for rows of num_tokens / num_rows tokens on average (module docstring, "Cost model").
 
     Static, from shapes only. `head_k` defaults to head_v; `num_sms` to the GPU's SM count (132 off a GPU).
     """
-    num_sms = num_sms or _device_sms()
+    num_sms = num_sms or device.num_sms()
     head_k = head_k or head_v
     plain = num_rows * num_v_heads * (head_v // COLUMN_BLOCK)
     if num_rows == 0 or 2 * plain > num_sms:
@@ -179,7 +172,7 @@ def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, i
     chunks = (lay.chunk_start, lay.chunk_len)
     checkpoints = None
     if lay.checkpoint_pos.shape[0]:
-        ck_start, ck_count = triton_delta._checkpoint_ranges(lay, num_chunks)
+        ck_start, ck_count = checkpoint_ranges(lay, num_chunks)
         checkpoints = lanes_kernel.Checkpoints(ck_start, ck_count, lay.checkpoint_pos, p.k, lay.chunk_start,
                                                lay.chunk_len, p.G)
 
@@ -209,7 +202,7 @@ def fused_pass_split(p, init, *, pieces, interpret=False, state_terms=2):
                                                   interpret=interpret)
     checkpoints = None
     if lay.checkpoint_pos.shape[0]:
-        ck_start, ck_count = triton_delta._checkpoint_ranges(lay, lay.chunk_len.shape[0])
+        ck_start, ck_count = checkpoint_ranges(lay, lay.chunk_len.shape[0])
         checkpoints = gdn_fused.Checkpoints(ck_start, ck_count, lay.checkpoint_pos)
     lanes = functools.partial(gdn_fused.gdn_fused_lanes, chunk_start=lay.chunk_start, chunk_len=lay.chunk_len, q=q_c,
                               k=k_c, v=v_c, beta=beta_c, G=p.G, T0=t0, group=group, scale=p.scale,

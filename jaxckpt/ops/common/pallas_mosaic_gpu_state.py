@@ -89,7 +89,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
-from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges
 
 CHUNK = 64
 BLOCK_V = 64
@@ -464,7 +464,7 @@ def state_pass_v2(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=Fa
     num_chunks = w.shape[1]
     checkpoints = None
     if lay.checkpoint_pos.shape[0]:
-        ck_start, ck_count = triton_delta._checkpoint_ranges(lay, num_chunks)
+        ck_start, ck_count = checkpoint_ranges(lay, num_chunks)
         checkpoints = Checkpoints(ck_start, ck_count, lay.checkpoint_pos, p.k, lay.chunk_start, lay.chunk_len, p.G)
     decays = p.G[:, :, chunk - 1, :] if per_channel_decay else p.G  # KDA: G_last [HV, NC, K]; GDN: G rows
     return state_lanes(lay.row_first_chunk, lay.row_num_chunks, lay.chunk_start, lay.chunk_len, decays, w, u, kd, qg,

@@ -251,6 +251,35 @@ def store_zeros(rows_s, dst, start, length):
     store_rows(rows_s, dst, start + length - rest, rest)
 
 
+def landing_pieces(land):
+    """A landing tile's TMA boxes: the whole [C, N] row-major tile, or each 128-byte column piece of a swizzled one."""
+    return [land] if land.ndim == 2 else [land.at[j] for j in range(land.shape[0])]
+
+
+def land(src, tile, bar):
+    """TMA of src (GMEM [C, N]) into its landing tile, one box per piece."""
+    for j, piece in enumerate(landing_pieces(tile)):
+        width = piece.shape[-1]
+        plgpu.copy_gmem_to_smem(src.at[:, pl.ds(j * width, width)], piece, bar)
+
+
+def landed_tokens(land, length):
+    """The landing tile's rows as fp32 [C, N], rows past the chunk's length zero (`where`: NaN padding stays out)."""
+    x = jnp.concatenate([plgpu.load(piece, layout=WG) for piece in landing_pieces(land)], axis=1).astype(jnp.float32)
+    return jnp.where(iota(x.shape, 0) < length, x, 0.0)
+
+
+def store_in_place(land, x, dst):
+    """x [C, N] -> dst (GMEM) through its (consumed) landing tile, piece by piece."""
+    for j, piece in enumerate(landing_pieces(land)):
+        width = piece.shape[-1]
+        piece[...] = x[:, j * width:(j + 1) * width].astype(piece.dtype)
+    plgpu.commit_smem()
+    for j, piece in enumerate(landing_pieces(land)):
+        width = piece.shape[-1]
+        plgpu.copy_smem_to_gmem(piece, dst.at[:, pl.ds(j * width, width)])
+
+
 def half_pairs(s):
     """[C, C] mask of the pairs (i, j) in one 2s-row block with i in its lower half and j in its upper half."""
     rows, cols = iota((CHUNK, CHUNK), 0), iota((CHUNK, CHUNK), 1)

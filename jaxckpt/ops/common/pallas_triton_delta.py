@@ -18,17 +18,16 @@ Four launches (five for KDA, whose intra pass is two), FLA-like (`chunk_gated_de
    T_IJ = -T_II sum_{J<=k<I} A_Ik T_kJ.
 3. `_state_kernel`, grid (row, value head, V block): S [K, BV] fp32 carried through the row's chunks,
    v_new = U - W S, S <- exp(G_last) S + KD^T v_new, writing the chunk-entry state h and v_new (or, with
-   `fuse_output`, O = QG S + AQK v_new directly, making step 4 unnecessary). The chunk loop body is straight-line:
-   Triton software-pipelines only innermost loops without branches, so the loop is cut into segments at the chunks
-   holding checkpoints (per row, a CSR range of those chunks, precomputed in jnp); the checkpoint chunk itself runs
-   the same step plus, for each of its checkpoints, exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T in
-   fp32 (r = 0 gives S exactly). The carried state never depends on them, so outputs and final states are bitwise
-   unchanged by checkpoints. Token rows are addressed from the row start (a row's chunks are contiguous), so the
-   loop loads no per-chunk metadata. With `checkpoint_pass="after"` the loop is not cut: every step stores S by a
-   masked store into the checkpoint chunk's slot (the next checkpoint chunk rides in the carry, loaded a step
-   ahead, so no step waits on it) and `_checkpoint_kernel` finishes each export in a launch of its own. On the
-   H200 (one run) it cut one checkpoint per row at (1, 32768, 16) from +15% to +8.5% and one every 1024 at 8K from
-   +16% to +3%; the segmented loop stays the default until a profile confirms it.
+   `fuse_output`, O = QG S + AQK v_new directly, making step 4 unnecessary). The chunk loop body is straight-line
+   (Triton software-pipelines only innermost loops without branches): every step stores S by a masked store into
+   the slot of the row's next checkpoint chunk (a CSR range of those chunks per row, precomputed in jnp; the next
+   one rides in the carry, loaded a step ahead, so no step waits on it). `_checkpoint_kernel`, grid (checkpoint,
+   value head, V block), then finishes each export from that entry state: v_new of the chunk again and
+   exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T in fp32 (r = 0 gives S exactly). The carried state
+   never depends on the exports, so outputs and final states are bitwise unchanged by checkpoints. Token rows are
+   addressed from the row start (a row's chunks are contiguous), so the loop loads no per-chunk metadata. Cutting
+   the loop at the checkpoint chunks instead (the export inside the loop) cost more on the H200
+   (bench/README.md, "Variants measured and not taken").
 4. `_output_kernel`, grid (chunk, value head, V block): O = QG h + AQK v_new.
 
 KDA's intra pass (step 2). Per-channel decay makes every score a channel sum sum_c a_ic k_jc exp(G_ic - G_jc). An
@@ -75,18 +74,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxckpt.ops.common.checkpoint_chunks import checkpoint_chunk_ranks, checkpoint_segments
 from jaxckpt.ops.common.log_decay import floor_log_decay, split_cumsum
-from jaxckpt.ops.common.pallas_triton_tiles import CumsumRefs, Dots, exp2e as _exp, row_mask
+from jaxckpt.ops.common.pallas_triton_tiles import CumsumRefs, Dots, row_mask
+from jaxckpt.ops.common.pallas_triton_tiles import exp2e as _exp
 from jaxckpt.ops.common.xla_arrays import packed_metadata
-from jaxckpt.plan.layout import chunk_layout, searchsorted
+from jaxckpt.plan.layout import chunk_layout
 
 CHUNK_SIZES = (16, 32, 64)
 SUB = 16
 MAX_HEAD_DIM = 256
 L2NORM_EPS = 1e-6
 TUNING_KEYS = ("num_warps", "num_stages", "block_v", "intra_num_warps", "output_block_v", "fuse_output",
-               "kda_block_k", "checkpoint_pass")
-CHECKPOINT_PASSES = ("in_loop", "after")
+               "kda_block_k")
 _HIGHEST = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
 
@@ -115,8 +115,6 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
         bv = tuning.get(key)
         if bv is not None and (not _is_pow2(bv) or not SUB <= bv <= head_v):
             return f"tuning: {key} must be a power of two in [{SUB}, V={head_v}], got {bv!r}"
-    if tuning.get("checkpoint_pass", "in_loop") not in CHECKPOINT_PASSES:
-        return f"tuning: checkpoint_pass must be one of {CHECKPOINT_PASSES}, got {tuning['checkpoint_pass']!r}"
     bk = tuning.get("kda_block_k")
     if bk is not None and (not _is_pow2(bk) or not SUB <= bk <= min(head_k, head_v)):
         return f"tuning: kda_block_k must be a power of two in [{SUB}, min(K, V)={min(head_k, head_v)}], got {bk!r}"
@@ -424,16 +422,11 @@ def _kda_solve_kernel(start_ref, len_ref, k_ref, v_ref, beta_ref, *refs, chunk, 
         _kda_solve_row_block(ck, I, A, T, w_ref, u_ref, head_k=head_k, head_v=head_v, dots=dots)
 
 
-def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkpoints, fused, split, dots,
-                  checkpoint_pass="in_loop"):
+def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkpoints, fused, split, dots):
     refs = list(refs)
     take = lambda count: [refs.pop(0) for _ in range(count)]
     cu_ref, first_ref, count_ref = take(3)
-    in_loop = has_checkpoints and checkpoint_pass == "in_loop"
-    after = has_checkpoints and checkpoint_pass == "after"
-    if in_loop:
-        seg_lo_ref, seg_hi_ref, seg_chunk_ref, ck_start_ref, ck_count_ref, ck_pos_ref, k_ref = take(7)
-    if after:
+    if has_checkpoints:
         seg_lo_ref, seg_hi_ref, seg_chunk_ref = take(3)
     G_ref = CumsumRefs.pop(refs, split)
     w_ref, u_ref, kd_ref = take(3)
@@ -445,7 +438,6 @@ def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkp
     else:
         h_ref, vnew_ref, final_ref, ckpt_ref = refs
     n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    hk = h // group
     cols = pl.ds(j * block_v, block_v)
     rows = jnp.arange(chunk, dtype=jnp.int32)
     head_k = kd_ref.shape[-1]
@@ -457,8 +449,8 @@ def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkp
     else:
         S0 = jnp.zeros((head_k, block_v), _F32)
 
-    def chunk_step(i, S, *, checkpoints=False):
-        # straight-line unless `checkpoints`: branches and inner loops here would stop Triton pipelining the loop
+    def chunk_step(i, S):
+        # straight-line: branches and inner loops here would stop Triton pipelining the loop
         c = first + i
         start = row_start + i * chunk  # a row's chunks are contiguous: no per-chunk metadata load
         length = jnp.minimum(chunk, row_len - i * chunk)
@@ -471,16 +463,12 @@ def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkp
             h_ref[h, c, :, cols] = S.astype(h_ref.dtype)
             vnew_ref[h, c, :, cols] = v_new.astype(vnew_ref.dtype)
         decay_last = G_ref[h, c, chunk - 1, :].exp()[:, None] if channel else G_ref[h, c, chunk - 1].exp()
-        if checkpoints:
-            k_c = _load_tokens(k_ref.at[pl.ds(start, chunk), hk, :], rows, length, (chunk, head_k))
-            _checkpoints_in_chunk(ck_start_ref[c], ck_count_ref[c], ck_pos_ref, ckpt_ref, S, k_c, G_ref[h, c],
-                                  v_new, h=h, cols=cols, rows=rows, channel=channel, dots=dots)
         return decay_last * S + dots.exact(kd_ref[h, c], v_new, _TN)
 
-    def run(lo, hi, S):
-        return jax.lax.fori_loop(lo, hi, chunk_step, S)
-
-    seg_hi = seg_hi_ref[n] if after else None
+    if not has_checkpoints:
+        final_ref[n, h, :, cols] = jax.lax.fori_loop(0, count_ref[n], chunk_step, S0)
+        return
+    seg_hi = seg_hi_ref[n]
 
     def next_checkpoint_chunk(s):
         return jnp.where(s < seg_hi, seg_chunk_ref[s], -1)
@@ -495,20 +483,8 @@ def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkp
         s = s + at_checkpoint.astype(jnp.int32)
         return chunk_step(i, S), s, next_checkpoint_chunk(s)
 
-    if after:
-        s0 = seg_lo_ref[n]
-        S = jax.lax.fori_loop(0, count_ref[n], step_storing_entries, (S0, s0, next_checkpoint_chunk(s0)))[0]
-    elif in_loop:
-        def segment(s, carry):
-            i0, S = carry
-            i_ck = seg_chunk_ref[s] - first
-            S = chunk_step(i_ck, run(i0, i_ck, S), checkpoints=True)
-            return i_ck + 1, S
-
-        i0, S = jax.lax.fori_loop(seg_lo_ref[n], seg_hi_ref[n], segment, (jnp.int32(0), S0))
-        S = run(i0, count_ref[n], S)
-    else:
-        S = run(0, count_ref[n], S0)
+    s0 = seg_lo_ref[n]
+    S = jax.lax.fori_loop(0, count_ref[n], step_storing_entries, (S0, s0, next_checkpoint_chunk(s0)))[0]
     final_ref[n, h, :, cols] = S
 
 
@@ -535,9 +511,9 @@ def _checkpoints_in_chunk(base, count, pos_ref, ckpt_ref, S, k_c, G_c, v_new, *,
 
 def _checkpoint_kernel(valid_ref, ck_chunk_ref, ck_pos_ref, start_ref, len_ref, entry_slot_ref, k_ref, *refs, chunk,
                        group, channel, block_v, split, dots):
-    """`checkpoint_pass="after"`, grid (checkpoint, value head, V block): v_new of the checkpoint's chunk again from
-    its fp32 entry state (entry_slot: the chunk's rank among the distinct checkpoint chunks; the same product as
-    the state pass), then `_checkpoints_in_chunk` for this one entry."""
+    """Grid (checkpoint, value head, V block): v_new of the checkpoint's chunk again from the fp32 entry state the
+    state pass stored (entry_slot: the chunk's rank among the distinct checkpoint chunks; the same product as the
+    state pass), then `_checkpoints_in_chunk` for this one entry."""
     refs = list(refs)
     G_ref = CumsumRefs.pop(refs, split)
     w_ref, u_ref, entry_ref, ckpt_ref = refs
@@ -568,39 +544,9 @@ def _output_kernel(start_ref, len_ref, qg_ref, aqk_ref, h_ref, vnew_ref, o_ref, 
                   mask=row_mask(rows, length, (chunk, block_v)))
 
 
-def _checkpoint_segments(lay, checkpoint_cu):
-    """The distinct chunks holding checkpoints, ascending (i32[max(M, 1)]), and each row's range of them (CSR)."""
-    chunk = lay.checkpoint_chunk
-    num_ckpt = chunk.shape[0]
-    prev = jnp.concatenate([jnp.full(1, -1, jnp.int32), chunk[:-1]])
-    is_first = lay.checkpoint_valid & (chunk != prev)  # valid entries are chunk-sorted
-    seg_cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(is_first).astype(jnp.int32)])  # i32[M + 1]
-    slot = jnp.where(is_first, seg_cu[:-1], num_ckpt)
-    seg_chunk = jnp.zeros(num_ckpt + 1, jnp.int32).at[slot].set(chunk, mode="drop")
-    return seg_cu[checkpoint_cu[:-1]], seg_cu[checkpoint_cu[1:]], seg_chunk
-
-
-def _checkpoint_chunk_ranks(lay):
-    """i32[M]: each checkpoint's chunk's rank among the distinct checkpoint chunks (as `_checkpoint_segments` orders
-    them); padded entries get the last valid rank (their results are never used)."""
-    chunk = lay.checkpoint_chunk
-    prev = jnp.concatenate([jnp.full(1, -1, jnp.int32), chunk[:-1]])
-    is_first = lay.checkpoint_valid & (chunk != prev)
-    return jnp.maximum(jnp.cumsum(is_first).astype(jnp.int32) - 1, 0)
-
-
 def _l2norm(x):
     x32 = x.astype(_F32)
     return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
-
-
-def _checkpoint_ranges(lay, num_chunks):
-    """Per chunk, the CSR range [start, start + count) of checkpoints it holds (valid entries are chunk-sorted)."""
-    ck_chunk = jnp.where(lay.checkpoint_valid, lay.checkpoint_chunk, num_chunks)
-    ids = jnp.arange(num_chunks, dtype=jnp.int32)
-    lo = searchsorted(jnp, ck_chunk, ids, side="left").astype(jnp.int32)
-    hi = searchsorted(jnp, ck_chunk, ids, side="right").astype(jnp.int32)
-    return lo, hi - lo
 
 
 class Prepared(NamedTuple):
@@ -759,7 +705,7 @@ def intra_v2(p: Prepared, *, per_channel_decay, chunk_size, interpret, intra_num
 def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm=False, initial_state=None,
                cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
                interpret=False, num_warps=4, num_stages=2, block_v=None, intra_num_warps=4, output_block_v=None,
-               fuse_output=False, kda_block_k=None, checkpoint_pass="in_loop"):
+               fuse_output=False, kda_block_k=None):
     """The gated delta rule over packed varlen rows with checkpoint states, as four or five Pallas Triton launches.
 
     q, k                # [T, H, K]
@@ -773,10 +719,7 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     Tuning: num_warps / num_stages (state and output kernels), intra_num_warps, block_v (state pass V tile,
     default min(V, 64)), output_block_v (output kernel V tile, default min(V, 64)), fuse_output (the state pass
     writes O itself, three launches); KDA only: kda_block_k (the intra pass's K / V column block, default
-    min(K, V, 32)); checkpoint_pass
-    ("in_loop": the state pass exports inside its segmented loop; "after": one plain loop that stores the fp32 entry
-    state of each checkpoint chunk by a masked store, the next checkpoint chunk carried one step ahead, and one
-    small launch over the checkpoints finishes the export).
+    min(K, V, 32)).
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] / [N, HV, V, K],
     checkpoint_states fp32 [M, HV, K, V] / [M, HV, V, K]); padded checkpoint entries are unspecified.
@@ -800,7 +743,6 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     num_rows = p.cu_seqlens.shape[0] - 1
     num_ckpt = lay.checkpoint_pos.shape[0]
     num_chunks = lay.chunk_len.shape[0]
-    ck_start, ck_count = _checkpoint_ranges(lay, num_chunks)
     ck_pos = jnp.concatenate([lay.checkpoint_pos, jnp.zeros(1, jnp.int32)])  # never empty
 
     full = pl.BlockSpec()
@@ -819,14 +761,9 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
 
     w, u, kd, qg, aqk = intra_v2(p, per_channel_decay=channel, chunk_size=chunk, interpret=interpret,
                                  intra_num_warps=intra_num_warps, num_stages=num_stages, kda_block_k=kda_block_k)
-    after = num_ckpt > 0 and checkpoint_pass == "after"
     state_inputs = [p.cu_seqlens, lay.row_first_chunk, lay.row_num_chunks]
-    if after:
-        segments = _checkpoint_segments(lay, p.checkpoint_cu)
-        state_inputs += list(segments)
-        entry_slot = _checkpoint_chunk_ranks(lay)
-    elif num_ckpt > 0 and checkpoint_pass == "in_loop":
-        state_inputs += [*_checkpoint_segments(lay, p.checkpoint_cu), ck_start, ck_count, ck_pos, k]
+    if num_ckpt > 0:
+        state_inputs += list(checkpoint_segments(lay, p.checkpoint_cu))
     state_inputs += [*gates, w, u, kd] + ([qg, aqk] if fuse_output else []) + ([init] if init is not None else [])
     seq_outputs = (o_shape,) if fuse_output else (
         jax.ShapeDtypeStruct((num_v_heads, num_chunks, *kv), io_dtype), chunk_array(head_v))
@@ -834,12 +771,12 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
         functools.partial(_state_kernel, chunk=chunk, group=group, channel=channel, block_v=block_v,
                           has_initial=init is not None, has_checkpoints=num_ckpt > 0, fused=fuse_output,
                           split=p.G_lo is not None,
-                          dots=dots, checkpoint_pass=checkpoint_pass),
+                          dots=dots),
         out_shape=(*seq_outputs, final_shape, ckpt_shape),
         grid=state_grid, in_specs=[full] * len(state_inputs), out_specs=(full,) * (len(seq_outputs) + 2),
         compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_state",
     )(*state_inputs)
-    if after:
+    if num_ckpt > 0:
         checkpoint_states = pl.pallas_call(
             functools.partial(_checkpoint_kernel, chunk=chunk, group=group, channel=channel,
                               block_v=block_v, split=p.G_lo is not None, dots=dots),
@@ -847,7 +784,7 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
             out_specs=full, compiler_params=params(num_warps=num_warps), interpret=interpret,
             name="delta_checkpoints",
         )(lay.checkpoint_valid.astype(jnp.int32), lay.checkpoint_chunk, ck_pos, lay.chunk_start, lay.chunk_len,
-          entry_slot, k, *gates, w, u, checkpoint_states)
+          checkpoint_chunk_ranks(lay), k, *gates, w, u, checkpoint_states)
     if fuse_output:
         (o,) = seq
     else:

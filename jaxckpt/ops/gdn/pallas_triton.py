@@ -37,8 +37,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initi
     checkpoint_cu       # i32[N + 1], CSR with checkpoint_offsets i32[M] (offsets relative to the row start)
     The metadata arrays may be traced; their values are trusted (validate them with `jaxckpt.plan.conventions`).
     `chunk_size` in (16, 32, 64); `interpret=True` runs the kernels on CPU; `tuning`: see
-    `pallas_triton_delta.delta_rule` (num_warps, num_stages, block_v, intra_num_warps, output_block_v, fuse_output,
-    checkpoint_pass).
+    `pallas_triton_delta.delta_rule` (num_warps, num_stages, block_v, intra_num_warps, output_block_v, fuse_output).
     Unsupported shapes or options raise ValueError with the reason `supports` gives.
 
     Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] or [N, HV, V, K], checkpoint_states fp32

@@ -89,10 +89,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxckpt.ops.common import device
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
-from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges
 from jaxckpt.ops.common.log_decay import floor_log_decay
-from jaxckpt.ops.common.pallas_mosaic_gpu_delta import _is_hopper
 from jaxckpt.ops.common.pallas_mosaic_gpu_split import split_lanes
 from jaxckpt.ops.common.xla_arrays import check_ssd_inputs, packed_metadata, ssd_delta, ssd_initial_state
 from jaxckpt.plan.conventions import check_state_layout
@@ -106,7 +106,6 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 TUNING_KEYS = ("pieces", "stages")
 MAX_PIECES = 8
 MIN_CHUNKS_PER_PIECE = 8
-DEFAULT_NUM_SMS = 132  # H200
 MAX_GRID_Z = 65535  # lanes: the grid's first axis, CUDA's z (Mosaic GPU reverses the grid)
 _F32 = jnp.float32
 _WG = plgpu.Layout.WGMMA
@@ -148,7 +147,7 @@ def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, cu_seqlens=
     if z is not None and (z.shape != x.shape or z.dtype != x.dtype):
         return (f"z: the fused gate reads z through x's TMA tiles, so it needs x's shape and dtype {x.shape} "
                 f"{x.dtype}, got {z.shape} {z.dtype}")
-    if not interpret and not _is_hopper():
+    if not interpret and not device.is_hopper():
         return "backend: the Mosaic GPU SSD needs a Hopper GPU (sm_90, wgmma) or interpret=True"
     return None
 
@@ -465,15 +464,9 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
     return y, lane_end, (outs.pop(0) if has_checkpoints else None)
 
 
-def _device_sms() -> int:
-    device = jax.devices()[0]
-    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
-    return int(count) if count else DEFAULT_NUM_SMS
-
-
 def choose_pieces(num_rows, num_heads, head_p, num_tokens, *, num_sms=None) -> int:
     """Pieces per row (module docstring, "Sequence split"): static, from shapes only."""
-    num_sms = num_sms or _device_sms()
+    num_sms = num_sms or device.num_sms()
     plain = num_rows * num_heads * (head_p // BLOCK_P)
     if num_rows == 0 or 2 * plain > num_sms:
         return 1
@@ -559,7 +552,7 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
 
     checkpoints = None
     if num_ckpt:
-        ck_start, ck_count = triton_delta._checkpoint_ranges(lay, num_chunks)
+        ck_start, ck_count = checkpoint_ranges(lay, num_chunks)
         checkpoints = (ck_start, ck_count, lay.checkpoint_pos)
     if pieces == "auto":
         pieces = choose_pieces(num_rows, num_heads, head_p, num_tokens)
