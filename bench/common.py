@@ -22,10 +22,12 @@ import numpy as np
 SCHEMA = 1
 
 
-def implementation_spec(spec: str) -> tuple[str | None, dict | None]:
-    """"pallas_mosaic_gpu@state=fused,pieces=2" -> ("pallas_mosaic_gpu", {"state": "fused", "pieces": 2}): one
-    implementation with `kernel_options`, so tuning variants are timed in the same run as the peers. "default" ->
-    (None, None): the call a user makes, with neither argument."""
+def implementation_spec(spec: str, op: str):
+    """"pallas_mosaic_gpu@state=fused,pieces=2" -> ("pallas_mosaic_gpu", DeltaPallasMosaicGpuConfig(state="fused",
+    pieces=2)) for op "gdn" or "kda" (SSD's configs for "ssd"): one implementation with its config, so tuning variants
+    are timed in the same run as the peers. "default" -> (None, None): the call a user makes, with neither argument."""
+    from jaxckpt.ops.common.configs import DELTA_CONFIGS, SSD_CONFIGS
+
     if spec == "default":
         return None, None
     impl, _, rest = spec.partition("@")
@@ -38,7 +40,7 @@ def implementation_spec(spec: str) -> tuple[str | None, dict | None]:
             options[key] = ast.literal_eval(value)  # numbers, True / False / None
         except (ValueError, SyntaxError):
             options[key] = value
-    return impl, options
+    return impl, (SSD_CONFIGS if op == "ssd" else DELTA_CONFIGS)[impl](**options)
 
 
 def versions() -> dict:

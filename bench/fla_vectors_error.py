@@ -78,10 +78,9 @@ def _ours(op, case, spec):
     from bench.common import implementation_spec
     from jaxckpt import ops
 
-    implementation, options = implementation_spec(spec)
+    implementation, config = implementation_spec(spec, op)
     fn = ops.gated_delta_rule if op == "gdn" else ops.kda
-    return [np.asarray(x, np.float32) for x in fn(**case.arguments, implementation=implementation,
-                                                  kernel_options=options)]
+    return [np.asarray(x, np.float32) for x in fn(**case.arguments, implementation=implementation, config=config)]
 
 
 def main(argv=None):

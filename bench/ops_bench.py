@@ -53,8 +53,8 @@ def bench_ours_delta(rec, kind, impl, lengths, H, D, shape_label, modes, *, HV=N
     q, k, v, g, beta, h0, cu = delta_inputs(lengths, H, D, kind, HV=HV, raw=raw)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
     args = (bf(q), bf(k), bf(v), jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu))
-    impl, kernel_options = implementation_spec(spec := impl)
-    options = dict(use_qk_l2norm=raw, implementation=impl, kernel_options=kernel_options)
+    impl, config = implementation_spec(spec := impl, kind)
+    options = dict(use_qk_l2norm=raw, implementation=impl, config=config)
     num_rows = len(lengths)
     for mode in modes:
         ccu, offsets = checkpoint_lists(lengths, mode)
@@ -187,12 +187,12 @@ def bench_ours_ssd(rec, impl, T, H, modes, N=128, P=64):
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     cu = jnp.asarray([0, T], jnp.int32)
     shape = {"T": T, "H": H, "P": P, "N": N, "G": 1}
-    impl, kernel_options = implementation_spec(spec := impl)
+    impl, config = implementation_spec(spec := impl, "ssd")
     for mode in modes:
         ccu, offsets = checkpoint_lists([T], mode)
         f = jax.jit(lambda x, dt, A, B, C, h0, cu, ccu, off: ops.ssd(
             x, dt, A, B, C, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
-            implementation=impl, kernel_options=kernel_options))
+            implementation=impl, config=config))
         args = (bf(x), bf(dt), jnp.asarray(A), bf(B), bf(C), jnp.asarray(h0), cu, jnp.asarray(ccu),
                 jnp.asarray(offsets))
         row = dict(op="ssd", implementation=spec, shape=shape, checkpoints=mode)
@@ -200,7 +200,7 @@ def bench_ours_ssd(rec, impl, T, H, modes, N=128, P=64):
     # the same row as a batch [1, T, ...] (cu_seqlens None), as the peers take it: rows known to lie on the chunk
     # grid let a kernel skip its varlen gathers
     f = jax.jit(lambda x, dt, A, B, C, h0: ops.ssd(x[None], dt[None], A, B[None], C[None], initial_state=h0,
-                                                    implementation=impl, kernel_options=kernel_options))
+                                                    implementation=impl, config=config))
     args = (bf(x), bf(dt), jnp.asarray(A), bf(B), bf(C), jnp.asarray(h0))
     row = dict(op="ssd", implementation=spec, shape=shape | {"batched": True}, checkpoints="none")
     attempt(rec, lambda: rec.add(**row, dtype="bf16", **timed(f, *args)), **row)

@@ -140,11 +140,11 @@ def parity(ops_to_run=("gdn", "kda", "ssd"), mosaic_rows=None) -> list[dict]:
         torch_args = dict(q=cuda(arrays["q"], torch.bfloat16), k=cuda(arrays["k"], torch.bfloat16),
                           v=cuda(arrays["v"], torch.bfloat16), g=cuda(arrays["g"]), beta=cuda(arrays["beta"]))
         for spec in ("xla", "pallas_triton", *(MOSAIC_GPU_ROWS[op] if mosaic_rows is None else mosaic_rows)):
-            impl, options = implementation_spec(spec)
+            impl, config = implementation_spec(spec, op)
             name = f"jaxckpt.{spec}"
             attempt(results, op, name,
-                    lambda impl=impl, options=options: entry(*jax_args, initial_state=jnp.asarray(h0),
-                                                             implementation=impl, kernel_options=options, **meta),
+                    lambda impl=impl, config=config: entry(*jax_args, initial_state=jnp.asarray(h0),
+                                                           implementation=impl, config=config, **meta),
                     expected, ccu, offsets)
         split = fla_prefill.chunk_gated_delta_rule_split if op == "gdn" else fla_prefill.chunk_kda_split
         attempt(results, op, "torch_bridge.fla_split",

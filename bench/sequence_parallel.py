@@ -32,7 +32,8 @@ from bench.common import Recorder, attempt, jax_time, out_dir, rel_rms  # noqa: 
 from bench.ops_bench import bench_fla_delta, bench_jla_delta  # noqa: E402
 
 TINY_SHAPES = [(1, 512, 2), (2, 256, 2)]
-# (label, kernel options) of the sequence-parallel runs; None = the defaults (piece length from the shape)
+# (label, config fields) of the sequence-parallel runs; {} = the defaults (piece length from the shape);
+# fuse_output goes to the Pallas base's config
 VARIANTS = {
     "default": {},
     "L1024": {"piece_len": 1024},
@@ -43,6 +44,15 @@ VARIANTS = {
     "sequential_compose": {"compose": "sequential"},
     "fused_output": {"fuse_output": True},
 }
+
+
+def variant_config(name: str, interpret: bool):
+    from jaxckpt import ops
+
+    fields = dict(VARIANTS[name])
+    base = {key: fields.pop(key) for key in ("fuse_output",) if key in fields}
+    base_config = ops.DeltaPallasTritonConfig(interpret=interpret, **base) if base else None
+    return ops.SequenceParallelConfig(interpret=interpret, base_config=base_config, **fields)
 
 
 def bench_shape(rec, kind, lengths, H, D, label, modes, variants, interpret, check, deadline):
@@ -56,24 +66,23 @@ def bench_shape(rec, kind, lengths, H, D, label, modes, variants, interpret, che
     q, k, v, g, beta, h0, cu = delta_inputs(lengths, H, D, kind)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
     args = (bf(q), bf(k), bf(v), jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu))
-    base = {"interpret": True} if interpret else {}
     chosen, reason = choose_piece_len(num_tokens=int(cu[-1]), num_rows=len(lengths), num_v_heads=H, head_k=D,
                                       head_v=D, chunk_size=64)
     print(f"   default plan: piece_len={chosen} {reason or ''}", flush=True)
     for mode in modes:
         ccu, offsets = checkpoint_lists(lengths, mode)
         extra = (jnp.asarray(ccu), jnp.asarray(offsets))
-        runs = [("pallas_triton", "plain", dict(base))]
-        runs += [("sequence_parallel", name, {**base, **VARIANTS[name]}) for name in variants]
+        runs = [("pallas_triton", "plain", ops.DeltaPallasTritonConfig(interpret=interpret))]
+        runs += [("sequence_parallel", name, variant_config(name, interpret)) for name in variants]
         plain_out = None
-        for impl, name, options in runs:
+        for impl, name, config in runs:
             if time.monotonic() > deadline:
                 rec.add(op=kind, implementation=f"{impl}:{name}", shape=label, checkpoints=mode, median_ms=None,
                         note="skipped: past --deadline-s")
                 continue
-            f = jax.jit(lambda q, k, v, g, beta, h0, cu, ccu, off, impl=impl, options=options: fn(
+            f = jax.jit(lambda q, k, v, g, beta, h0, cu, ccu, off, config=config: fn(
                 q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
-                implementation=impl, kernel_options=options or None))
+                config=config))
 
             def run(f=f, impl=impl, name=name):
                 nonlocal plain_out

@@ -1,4 +1,4 @@
-"""The sequence split of the Mosaic GPU state pass (`kernel_options={"state": "v2", "pieces": P}`) on a Hopper GPU:
+"""The sequence split of the Mosaic GPU state pass (`config=DeltaPallasMosaicGpuConfig(pieces=P)`) on a Hopper GPU:
 one long row at (1, 8192, 16) K = V = 128, bf16, with an initial state and checkpoints (on the piece boundaries of
 P = 2 and 4, inside chunks, at 1 and len - 1), for P = 1, 2, 4 and "auto", against float64 and against the unsplit
 pass (`pieces=1`, `state_terms=2`: the same intermediates, whole rows); and varlen rows off the 8-row TMA tile grid
@@ -17,6 +17,7 @@ Run on the GPU machine:
 import numpy as np
 import pytest
 
+from jaxckpt.ops import DeltaPallasMosaicGpuConfig as Config
 from tests.gpu.mosaic_cases import BF16_TOL, delta_case, entries
 from tests.numerics import rel_rms
 
@@ -27,7 +28,7 @@ AGREE_TOL = 2e-3  # against the unsplit pass: the same intermediates, a differen
 ONE_TERM_AGREE_TOL = BF16_TOL
 # state "fused" against it: different intermediates (no bf16 W, U), so they differ by about its own error
 FUSED_AGREE_TOL = BF16_TOL
-UNSPLIT = {"state": "v2", "pieces": 1, "state_terms": 2}
+UNSPLIT = Config(pieces=1, state_terms=2)
 LENGTH = 8192
 # 1, inside chunks, P = 4's boundaries (2048, 6144), P = 2's and 4's (4096), len - 1
 OFFSETS = (1, 100, 2048, 3000, 4096, 6144, 8191)
@@ -52,8 +53,7 @@ def long_row(request):
     # the initial state still shapes the final one: the row's pieces really carry state across their boundaries
     forgetful = reference(*inputs, g, beta, **dict(meta, initial_state=None))
     assert rel_rms(forgetful[1], expected[1]) > 0.03, rel_rms(forgetful[1], expected[1])
-    unsplit = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu",
-                 kernel_options=UNSPLIT)
+    unsplit = fn(*bf, g, beta, **meta, config=UNSPLIT)
     return op, fn, (bf, g, beta, meta), expected, unsplit
 
 
@@ -78,8 +78,7 @@ def long_row_failures(label, got, expected, unsplit, agree_tol):
 @pytest.mark.parametrize("pieces, state_terms", [(1, 2), (2, 2), (4, 2), ("auto", 2), ("auto", 1)])
 def test_long_row_pieces_against_float64_and_unsplit(long_row, pieces, state_terms):
     op, fn, (bf, g, beta, meta), expected, unsplit = long_row
-    got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu",
-             kernel_options={"state": "v2", "pieces": pieces, "state_terms": state_terms})
+    got = fn(*bf, g, beta, **meta, config=Config(pieces=pieces, state_terms=state_terms))
     failures = long_row_failures(f"{op} (1, {LENGTH}, 16) state v2 pieces={pieces} state_terms={state_terms}", got,
                                  expected, unsplit, AGREE_TOL if state_terms == 2 else ONE_TERM_AGREE_TOL)
     assert not failures, "\n".join(failures)
@@ -94,9 +93,8 @@ def test_varlen_rows_off_the_tile_grid_three_pieces(op):
     lengths, offsets = ROWS
     bf, g, beta, meta = delta_case(op, np.random.default_rng(19), lengths, offsets, heads=16)
     expected = reference(*(np.asarray(a, np.float32) for a in bf), g, beta, **meta)
-    unsplit = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu", kernel_options=UNSPLIT)
-    got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu",
-             kernel_options={"state": "v2", "pieces": 3, "state_terms": 2})
+    unsplit = fn(*bf, g, beta, **meta, config=UNSPLIT)
+    got = fn(*bf, g, beta, **meta, config=Config(pieces=3, state_terms=2))
     for name, a, e, b in zip(("o", "final", "checkpoints"), got, expected, unsplit):
         err, agree = rel_rms(a, e), rel_rms(a, b)
         print(f"{op} rows {lengths} state v2 pieces=3 {name}: rel-RMS {err:.2e} vs float64, {agree:.2e} vs unsplit")
@@ -109,10 +107,9 @@ def test_long_row_state_fused_against_float64_and_unsplit(long_row, pieces):
     op, fn, (bf, g, beta, meta), expected, unsplit = long_row
     if op == "kda":
         with pytest.raises(ValueError, match="fused GDN pass"):
-            fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu", kernel_options={"state": "fused"})
+            fn(*bf, g, beta, **meta, config=Config(state="fused"))
         return
-    got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu",
-             kernel_options={"state": "fused", "pieces": pieces})
+    got = fn(*bf, g, beta, **meta, config=Config(state="fused", pieces=pieces))
     failures = long_row_failures(f"gdn (1, {LENGTH}, 16) state fused pieces={pieces}", got, expected, unsplit,
                                  FUSED_AGREE_TOL)
     assert not failures, "\n".join(failures)
@@ -123,8 +120,8 @@ def test_varlen_rows_off_the_tile_grid_state_fused_three_pieces():
     lengths, offsets = ROWS
     bf, g, beta, meta = delta_case("gdn", np.random.default_rng(23), lengths, offsets, heads=16)
     expected = reference(*(np.asarray(a, np.float32) for a in bf), g, beta, **meta)
-    unsplit = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu", kernel_options=UNSPLIT)
-    got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu", kernel_options={"state": "fused", "pieces": 3})
+    unsplit = fn(*bf, g, beta, **meta, config=UNSPLIT)
+    got = fn(*bf, g, beta, **meta, config=Config(state="fused", pieces=3))
     for name, a, e, b in zip(("o", "final", "checkpoints"), got, expected, unsplit):
         err, agree = rel_rms(a, e), rel_rms(a, b)
         print(f"gdn rows {lengths} state fused pieces=3 {name}: rel-RMS {err:.2e} vs float64, {agree:.2e} vs unsplit")

@@ -11,6 +11,7 @@ Run on the GPU machine: `JAXCKPT_GPU_TESTS=1 JAX_PLATFORMS=cuda python -m pytest
 import numpy as np
 import pytest
 
+from jaxckpt.ops import DeltaPallasMosaicGpuConfig
 from tests.gpu.mosaic_cases import BF16_TOL, delta_case, entries
 from tests.numerics import rel_rms
 
@@ -120,8 +121,7 @@ def test_token_layout_output_with_nan_padding(op, state, pieces):
                 checkpoint_cu=np.cumsum([0, *map(len, offsets)]).astype(np.int32),
                 checkpoint_offsets=np.concatenate(offsets).astype(np.int32), initial_state=h0)
     fn = entries(op)[0]
-    got = fn(*bf, g, beta, **meta, implementation="pallas_mosaic_gpu",
-             kernel_options={"state": state, "pieces": pieces})
+    got = fn(*bf, g, beta, **meta, config=DeltaPallasMosaicGpuConfig(state=state, pieces=pieces))
     triton = fn(*bf, g, beta, **meta, implementation="pallas_triton")
     o = np.asarray(got[0], np.float32)
     np.testing.assert_array_equal(o[num_real:], 0, err_msg="padding tokens")

@@ -91,6 +91,35 @@ def test_fla_kda_native_against_float64_and_bf16_state_error():
                                                                                                          256, 64])})
 
 
+@pytest.mark.parametrize("op, lower_bound", [("gdn", None), ("kda", None), ("kda", -3.0)])
+def test_fla_model_options_against_float64(op, lower_bound):
+    """use_qk_l2norm and KDA's fused gate (A_log, dt_bias, lower_bound) reach FLA under its names: the split (and
+    KDA's native) results match jaxckpt's float64 reference computing the same options."""
+    import torch
+
+    from torch_bridge.ops.fla_prefill import chunk_gated_delta_rule_split, chunk_kda_native, chunk_kda_split
+
+    tensors, arrays, h0, cu = delta_problem(op)
+    for name in ("q", "k"):  # off the unit sphere (x2 is exact in bf16), so the in-kernel l2norm matters
+        tensors[name], arrays[name] = tensors[name] * 2, arrays[name] * 2
+    options, parameters = dict(use_qk_l2norm=True), {}
+    if op == "kda":
+        rng = np.random.default_rng(43)
+        arrays["g"] = rng.standard_normal(arrays["g"].shape).astype(np.float32)  # the raw gate input
+        tensors["g"] = torch.tensor(arrays["g"], device="cuda")
+        parameters = dict(A_log=rng.uniform(-1.0, 0.5, 4).astype(np.float32),
+                          dt_bias=rng.uniform(-0.5, 0.5, 4 * 128).astype(np.float32))
+        options["lower_bound"] = lower_bound
+    meta = dict(cu_seqlens=cu, checkpoint_cu=np.array([0, 3, 3, 4, 5]),
+                checkpoint_offsets=np.array([64, 128, 640, 256, 64]))
+    expected = reference(op)(**arrays, initial_state=h0, **parameters, **options, **meta)
+    entries = [chunk_gated_delta_rule_split] if op == "gdn" else [chunk_kda_split, chunk_kda_native]
+    for entry in entries:
+        out = entry(**tensors, initial_state=torch.tensor(h0, device="cuda"), **options, **meta,
+                    **{name: torch.tensor(a, device="cuda") for name, a in parameters.items()})
+        check_errors(f"{op} {entry.__name__} {options}", out, expected, bound=BF16_BOUND)
+
+
 def test_fla_split_paged_bf16_pool():
     import torch
 

@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 
 from jaxckpt import ops
+from jaxckpt.ops.common.configs import DELTA_CONFIGS, SSD_CONFIGS
 from tests.numerics import rel_rms
 
 CHUNK = 64
@@ -139,6 +140,11 @@ def random_batch(rng, bucket: Bucket, *, lengths=None, strong_decays: bool = Tru
         a[cu[-1]:] = np.nan
     initial = rng.standard_normal((n, *state)).astype(np.float32) * has_initial.reshape(-1, *([1] * len(state)))
     return Batch(bucket, arrays, params, initial, has_initial, cu, ccu, offsets)
+
+
+def interpret_config(op: str, implementation: str):
+    """The config that runs a Pallas implementation of `op` ("gdn", "kda", "ssd") in its interpreter (CPU)."""
+    return (SSD_CONFIGS if op == "ssd" else DELTA_CONFIGS)[implementation](interpret=True)
 
 
 def call(batch: Batch, implementation: str, *, arrays=None, initial_state=None, metadata=None, **options):

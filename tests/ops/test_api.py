@@ -1,6 +1,6 @@
 """The public op entries: implementation switch, batched inputs, strategies, decode rows, paged pools, bad input."""
 
-import warnings
+import dataclasses
 from types import SimpleNamespace
 
 import jax
@@ -11,7 +11,7 @@ import pytest
 
 from jaxckpt import ops
 from jaxckpt.ops.common import api as common_api
-from jaxckpt.ops.common.api import IgnoredKernelOptions, choose_implementation
+from jaxckpt.ops.common.api import choose_implementation
 from jaxckpt.ops.gdn.api import REGISTRY as GDN_REGISTRY
 from jaxckpt.plan import NULL_SLOT
 
@@ -84,7 +84,7 @@ def test_kernels_decline_forced_break_rather_than_run_in_chunk():
     assert choice.name == "xla" and "checkpoint_method" in dict(choice.declined)["pallas_triton"]
     with pytest.raises(ValueError, match="does not support this call: checkpoint_method: 'forced_break'"):
         ops.gated_delta_rule(q, k, v, g, beta, implementation="pallas_triton", checkpoint_method="forced_break",
-                             chunk_size=16, kernel_options={"interpret": True})
+                             chunk_size=16, config=ops.DeltaPallasTritonConfig(interpret=True))
     # the reference has no chunks: every method is its own exact answer
     ops.gated_delta_rule(q, k, v, g, beta, implementation="reference", checkpoint_method="forced_break")
 
@@ -99,21 +99,65 @@ def test_default_implementation_falls_back_to_xla_with_reasons():
         ops.gated_delta_rule(q, k, v, g, beta, implementation="cuda")
 
 
-def test_kernel_options_the_running_implementation_ignores_are_named():
-    # off a Hopper GPU the Mosaic GPU options end on "xla": the warning names them and what declined before it
-    q, k, v, g, beta = delta_inputs(np.random.default_rng(11), 10)
-    expected = ops.gated_delta_rule(q, k, v, g, beta, implementation="xla")
-    pattern = (r"\['intra_inverse', 'state'\] are not options of 'xla'.*pallas_mosaic_gpu: "
-               r".*pallas_triton: tuning: unknown")
-    with pytest.warns(IgnoredKernelOptions, match=pattern):
-        got = ops.gated_delta_rule(q, k, v, g, beta, kernel_options={"state": "v2", "intra_inverse": "blocked"})
-    for a, b in zip(got, expected):
-        np.testing.assert_array_equal(a, b)
-    with pytest.warns(IgnoredKernelOptions, match=r"\['num_warps'\] are not options of 'xla', which runs this call"):
-        ops.kda(q, k, v, np.stack([g] * 8, -1), beta, implementation="xla", kernel_options={"num_warps": 4})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        ops.gated_delta_rule(q, k, v, g, beta, kernel_options={"state_pass": "sequential"})  # an "xla" option
+def test_a_config_runs_the_implementation_it_tunes():
+    q, k, v, g, beta = delta_inputs(np.random.default_rng(11), 10, K=16, V=16)
+    sequential = ops.gated_delta_rule(q, k, v, g, beta, chunk_size=16, config=ops.XlaConfig(state_pass="sequential"))
+    associative = ops.gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="xla")
+    for a, b in zip(sequential, associative):
+        assert rel(a, b) < 1e-5
+    triton = ops.gated_delta_rule(q, k, v, g, beta, chunk_size=16, config=ops.DeltaPallasTritonConfig(
+        interpret=True, block_v=16, fuse_output=True))
+    for a, b in zip(triton, associative):
+        assert rel(a, b) < 1e-5
+    # named by its config, an implementation that declines raises instead of falling back to another
+    with pytest.raises(ValueError, match="implementation: 'pallas_mosaic_gpu' does not support this call"):
+        ops.gated_delta_rule(q, k, v, g, beta, config=ops.DeltaPallasMosaicGpuConfig(pieces=2))
+
+
+@pytest.mark.parametrize("config, implementation, match", [
+    (ops.DeltaPallasTritonConfig(), "xla", "config: a DeltaPallasTritonConfig tunes 'pallas_triton', but "
+                                           "implementation='xla'"),
+    (ops.SsdPallasTritonConfig(), None, "config: a SsdPallasTritonConfig tunes none of this op's implementations"),
+    ({"interpret": True}, None, "config: a dict tunes none"),
+    (ops.XlaConfig(), "reference", "config: a XlaConfig tunes 'xla', but implementation='reference'"),
+])
+def test_a_config_for_another_implementation_raises(config, implementation, match):
+    q, k, v, g, beta = delta_inputs(np.random.default_rng(12), 10)
+    with pytest.raises(ValueError, match=match):
+        ops.gated_delta_rule(q, k, v, g, beta, implementation=implementation, config=config)
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: ops.XlaConfig(state_pass="parallel"), "state_pass: must be one of"),
+    (lambda: ops.DeltaPallasTritonConfig(block_v=48), "block_v: must be a power of two in"),
+    (lambda: ops.DeltaPallasTritonConfig(num_warps=True), "num_warps: must be a power of two"),
+    (lambda: ops.DeltaPallasTritonConfig(fuse_output=1), "fuse_output: must be a bool"),
+    (lambda: ops.DeltaPallasMosaicGpuConfig(pieces=0), "pieces: must be an int in \\[1, 64\\] or 'auto'"),
+    (lambda: ops.DeltaPallasMosaicGpuConfig(state_terms=True), "state_terms: must be one of"),
+    (lambda: ops.DeltaPallasMosaicGpuConfig(state="v1"), "state: must be one of"),
+    (lambda: ops.DeltaPallasMosaicGpuConfig(state="fused", intra_inverse="f16"), "state: 'fused' replaces"),
+    (lambda: ops.SsdPallasMosaicGpuConfig(stages=5), "stages: must be one of"),
+    (lambda: ops.SequenceParallelConfig(base="xla", base_config=ops.DeltaPallasTritonConfig()), "base_config: a "),
+    (lambda: ops.SequenceParallelConfig(piece_cuts="even"), "piece_cuts: must be one of"),
+])
+def test_a_config_checks_its_fields_when_built(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_configs_are_frozen_and_hashable():
+    config = ops.DeltaPallasMosaicGpuConfig(pieces=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.pieces = 2
+    assert hash(config) == hash(ops.DeltaPallasMosaicGpuConfig(pieces=4))
+    with pytest.raises(TypeError):
+        ops.DeltaPallasTritonConfig(checkpoint_pass="after")  # a variant that left: no such field
+
+
+def test_a_sequence_parallel_config_passes_its_base_config_on():
+    config = ops.SequenceParallelConfig(base_config=ops.XlaConfig(state_pass="sequential"), piece_len=32)
+    assert config.options() == dict(base="xla", state_pass="sequential", piece_len=32, piece_cuts="checkpoints",
+                                    compose="associative", interpret=False)
 
 
 def test_supports_gets_cu_seqlens_where_it_names_it(monkeypatch):
@@ -271,7 +315,7 @@ def test_pallas_triton_through_the_public_entry_in_interpret_mode():
     meta = dict(cu_seqlens=np.array([0, 1, 40]), checkpoint_cu=np.array([0, 0, 1]), checkpoint_offsets=np.array([20]))
     expected = ops.gated_delta_rule(q, k, v, g, beta, **meta, implementation="reference")
     got = ops.gated_delta_rule(q, k, v, g, beta, **meta, implementation="pallas_triton", num_decodes=1, chunk_size=16,
-                               kernel_options={"interpret": True})
+                               config=ops.DeltaPallasTritonConfig(interpret=True))
     for a, b in zip(got, expected):
         assert rel(a, b) < 1e-5
 

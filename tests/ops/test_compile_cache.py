@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxckpt import ops
 from jaxckpt.ops.conv1d.api import REGISTRY as CONV1D
 from jaxckpt.ops.gdn.api import REGISTRY as GDN
 from jaxckpt.ops.kda.api import REGISTRY as KDA
@@ -67,4 +68,4 @@ def test_sequence_parallel_second_call_compiles_nothing(op):
 
 @pytest.mark.interpret
 def test_pallas_triton_second_call_compiles_nothing():
-    assert _compiles_of_second_call("ssd", "pallas_triton", kernel_options={"interpret": True}) == []
+    assert _compiles_of_second_call("ssd", "pallas_triton", config=ops.SsdPallasTritonConfig(interpret=True)) == []

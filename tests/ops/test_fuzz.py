@@ -14,7 +14,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.ops.fuzz_cases import CHUNK, SPECIAL_LENGTHS, Batch, Bucket, call, call_paged, errors, random_batch
+from tests.ops.fuzz_cases import (
+    CHUNK,
+    SPECIAL_LENGTHS,
+    Batch,
+    Bucket,
+    call,
+    call_paged,
+    errors,
+    interpret_config,
+    random_batch,
+)
 
 FP32_CLASS = 1e-5  # rel-RMS against float64 (documented in the op READMEs)
 
@@ -140,7 +150,8 @@ def test_pallas_interpret_matches_float64(implementation, op):
     @given(lengths=lengths, seed=st.integers(0, 2 ** 32 - 1))
     def check(lengths, seed):
         batch = random_batch(np.random.default_rng(seed), bucket, lengths=lengths)
-        result = [np.asarray(x) for x in call(batch, implementation, kernel_options={"interpret": True})]
+        config = interpret_config(bucket.op, implementation)
+        result = [np.asarray(x) for x in call(batch, implementation, config=config)]
         assert_matches(batch, result, reference(batch))
 
     check()

@@ -143,30 +143,32 @@ def _transforms(f, x):
             "jvp": lambda: jax.jvp(f, (x,), (jnp.ones_like(x),)), "linearize": lambda: jax.linearize(f, x)}
 
 
+INTERPRET_TRITON = ops.DeltaPallasTritonConfig(interpret=True)
+PIECES = ops.SequenceParallelConfig(base="pallas_triton", interpret=True, piece_len=16)
 NON_DIFFERENTIABLE = [
-    ("gdn", False, "pallas_triton", {"interpret": True}),
-    ("kda", False, "pallas_triton", {"interpret": True}),
-    ("ssd", False, "pallas_triton", {"interpret": True}),
-    ("gdn", True, "pallas_triton", {"interpret": True}),
-    ("kda", True, "pallas_triton", {"interpret": True}),
-    ("ssd", True, "pallas_triton", {"interpret": True}),
-    ("gdn", False, "sequence_parallel", {"base": "pallas_triton", "interpret": True, "piece_len": 16}),
-    ("kda", True, "sequence_parallel", {"base": "pallas_triton", "interpret": True, "piece_len": 16}),
+    ("gdn", False, "pallas_triton", INTERPRET_TRITON),
+    ("kda", False, "pallas_triton", INTERPRET_TRITON),
+    ("ssd", False, "pallas_triton", ops.SsdPallasTritonConfig(interpret=True)),
+    ("gdn", True, "pallas_triton", INTERPRET_TRITON),
+    ("kda", True, "pallas_triton", INTERPRET_TRITON),
+    ("ssd", True, "pallas_triton", ops.SsdPallasTritonConfig(interpret=True)),
+    ("gdn", False, "sequence_parallel", PIECES),
+    ("kda", True, "sequence_parallel", PIECES),
     ("gdn", False, "reference", None),
     ("ssd", True, "reference", None),
     ("conv1d", False, "reference", None),
 ]
 
 
-@pytest.mark.parametrize("op, paged, implementation, kernel_options", NON_DIFFERENTIABLE)
-def test_other_implementations_raise_naming_xla(op, paged, implementation, kernel_options):
+@pytest.mark.parametrize("op, paged, implementation, config", NON_DIFFERENTIABLE)
+def test_other_implementations_raise_naming_xla(op, paged, implementation, config):
     rng = np.random.default_rng(5)
     arrays, shape, entry = case(op, rng)
     arrays = {name: jnp.asarray(a, jnp.float32) for name, a in arrays.items()}
     if paged:
         arrays["state_pool"] = jnp.asarray(rng.standard_normal((SLOTS, *shape)), jnp.float32)
-    if kernel_options is not None:
-        arrays["kernel_options"] = kernel_options
+    if config is not None:
+        arrays["config"] = config
     first = next(iter(arrays))
 
     def f(x):
@@ -182,7 +184,8 @@ def test_mosaic_gpu_raises_naming_xla(op):
     # its wgmma tiles take 16-bit operands and head dims of 64 or 128; interpret=True supports the call on the CPU
     rng = np.random.default_rng(9)
     bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    options = dict(implementation="pallas_mosaic_gpu", kernel_options={"interpret": True})
+    config = (ops.SsdPallasMosaicGpuConfig if op == "ssd" else ops.DeltaPallasMosaicGpuConfig)(interpret=True)
+    options = dict(implementation="pallas_mosaic_gpu", config=config)
     if op == "ssd":
         dt, A, B = jnp.asarray(rng.standard_normal((64, 2)), jnp.float32), -jnp.ones(2), bf16(64, 1, 64)
         x, f = bf16(64, 2, 64), lambda x: ops.ssd(x, dt, A, B, B, **options)[0]
@@ -196,15 +199,31 @@ def test_mosaic_gpu_raises_naming_xla(op):
             transform()
 
 
-def test_the_error_names_the_default_choice():
-    # interpret=True lets the Pallas Triton kernels support the call on the CPU, so implementation=None takes them
+def test_the_error_names_the_default_choice(monkeypatch):
+    # the Pallas Triton path supports the call as on a GPU; the derivative rule raises while tracing, before any
+    # kernel would run
+    from jaxckpt.ops.gdn import pallas_triton
+
+    monkeypatch.setattr(pallas_triton, "supports", lambda *args, **kwargs: None)
     arrays, _, entry = case("gdn", np.random.default_rng(6))
     arrays = {name: jnp.asarray(a, jnp.float32) for name, a in arrays.items()}
 
     def f(q):
-        return entry(False, None, **{**arrays, "q": q}, kernel_options={"interpret": True})[0]
+        return entry(False, None, **{**arrays, "q": q})[0]
 
     with pytest.raises(ValueError, match=f"^implementation: None picked 'pallas_triton', which {NOT_DIFFERENTIABLE}"):
+        jax.grad(lambda q: jnp.sum(f(q)))(arrays["q"])
+
+
+def test_the_error_names_the_config_that_picked():
+    arrays, _, entry = case("gdn", np.random.default_rng(8))
+    arrays = {name: jnp.asarray(a, jnp.float32) for name, a in arrays.items()}
+
+    def f(q):
+        return entry(False, None, **{**arrays, "q": q}, config=INTERPRET_TRITON)[0]
+
+    with pytest.raises(ValueError, match=f"^implementation: the DeltaPallasTritonConfig picked 'pallas_triton', which "
+                                         f"{NOT_DIFFERENTIABLE}"):
         jax.grad(lambda q: jnp.sum(f(q)))(arrays["q"])
 
 
@@ -215,8 +234,8 @@ def test_the_forward_is_unchanged_and_runs_where_no_tangent_reaches_it():
     x, dt, A, B, C, D = (jnp.asarray(arrays[name], jnp.float32) for name in ("x", "dt", "A", "B", "C", "D"))
 
     def entry(x, cu_seqlens):  # traced x: the kernel call goes through the custom_jvp wrapper
-        return ops.ssd(x, dt, A, B, C, D=D, cu_seqlens=cu_seqlens, chunk_size=16, implementation="pallas_triton",
-                       kernel_options={"interpret": True})[:2]
+        return ops.ssd(x, dt, A, B, C, D=D, cu_seqlens=cu_seqlens, chunk_size=16,
+                       config=ops.SsdPallasTritonConfig(interpret=True))[:2]
 
     def kernel(x):  # the kernel module itself, never wrapped
         return pallas_triton.ssd(x, dt, A, B, C, D=D, cu_seqlens=CU, chunk_size=16, interpret=True)[:2]

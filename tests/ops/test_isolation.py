@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.ops.fuzz_cases import Batch, Bucket, call, call_paged, random_batch
+from tests.ops.fuzz_cases import Batch, Bucket, call, call_paged, interpret_config, random_batch
 
 POISONS = (np.nan, np.inf, -np.inf, 3e38)
 BUCKETS = {
@@ -58,7 +58,7 @@ def _run(batch, implementation, method, *, arrays=None, initial_state=None):
     if batch.bucket.op != "conv1d":
         options["checkpoint_method"] = method
     if implementation.startswith("pallas"):
-        options["kernel_options"] = {"interpret": True}
+        options["config"] = interpret_config(batch.bucket.op, implementation)
     return [np.asarray(x, np.float32) for x in call(batch, implementation, arrays=arrays,
                                                     initial_state=initial_state, **options)]
 

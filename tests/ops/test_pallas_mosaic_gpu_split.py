@@ -328,8 +328,7 @@ def test_public_entry_state_v2_pieces_in_the_interpreter(op, pieces):
     expected = entry(**inputs, **options, implementation="reference")
     try:
         got = entry(**{name: jnp.asarray(x) for name, x in inputs.items()}, **options,
-                    implementation="pallas_mosaic_gpu",
-                    kernel_options={"state": "v2", "pieces": pieces, "interpret": True})
+                    config=ops.DeltaPallasMosaicGpuConfig(pieces=pieces, interpret=True))
     except NotImplementedError as error:
         if "not written" not in str(error):
             raise
@@ -417,8 +416,8 @@ def test_public_entry_state_fused_in_the_interpreter(fused_case, pieces):
     # the fused kernels (`gdn_kkt`, `gdn_fused_lanes`, map mode for P > 1) in Mosaic GPU's interpreter through the
     # public entry, against float64
     inputs, options, expected = fused_case
-    got = ops.gated_delta_rule(**inputs, **options, implementation="pallas_mosaic_gpu",
-                               kernel_options={"state": "fused", "pieces": pieces, "interpret": True})
+    got = ops.gated_delta_rule(**inputs, **options,
+                               config=ops.DeltaPallasMosaicGpuConfig(state="fused", pieces=pieces, interpret=True))
     num_ckpt = FUSED_CKPT_CU[-1]
     for name, a, r in zip(("o", "final", "ckpt"), got, expected):
         a = np.asarray(a, np.float32)

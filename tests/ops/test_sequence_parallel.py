@@ -19,8 +19,8 @@ from jaxckpt.ops.gdn import sequence_parallel as gdn_sp
 from jaxckpt.ops.gdn import xla as gdn_xla
 from jaxckpt.ops.kda import reference as kda_reference
 from jaxckpt.ops.kda import sequence_parallel as kda_sp
-from tests.vectors.loader import check_case, load_cases
 from tests.numerics import rel_rms
+from tests.vectors.loader import check_case, load_cases
 
 H, HV = 2, 4
 FP32_TOL = 1e-5
@@ -280,10 +280,9 @@ def test_public_entry_with_decode_rows_and_split():
     call = dict(initial_state=init, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=offsets,
                 use_qk_l2norm=True, chunk_size=CHUNK)
     expected = ops.gated_delta_rule(*inputs.values(), **call, implementation="reference")
-    options = dict(base="xla", piece_len=32)
+    config = ops.SequenceParallelConfig(base="xla", piece_len=32)
     for method in ("in_chunk", "split"):
-        got = ops.gated_delta_rule(*inputs.values(), **call, implementation="sequence_parallel", num_decodes=2,
-                                   checkpoint_method=method, kernel_options=options)
+        got = ops.gated_delta_rule(*inputs.values(), **call, num_decodes=2, checkpoint_method=method, config=config)
         for a, b in zip(got[:2], expected[:2]):
             assert rel_rms(a, b) <= FP32_TOL, method
         assert rel_rms(got[2][:3], expected[2][:3]) <= FP32_TOL, method
@@ -293,8 +292,7 @@ def test_public_entry_with_batched_inputs():
     rng = np.random.default_rng(78)
     inputs = make_inputs(rng, 16, 16, per_channel=True)
     batched = [x[:192].reshape(2, 96, *x.shape[1:]) for x in inputs.values()]  # B rows of equal length
-    got = ops.kda(*batched, implementation="sequence_parallel", kernel_options=dict(base="xla", piece_len=32),
-                  chunk_size=CHUNK)
+    got = ops.kda(*batched, config=ops.SequenceParallelConfig(base="xla", piece_len=32), chunk_size=CHUNK)
     want = ops.kda(*batched, implementation="reference")
     assert got[0].shape == (2, 96, HV, 16)
     for a, b in zip(got[:2], want[:2]):
@@ -310,8 +308,8 @@ def test_traced_metadata_compiles_once():
     def run(cu, ccu, offsets):
         traces.append(None)
         return ops.gated_delta_rule(*inputs.values(), cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=offsets,
-                                    use_qk_l2norm=True, chunk_size=CHUNK, implementation="sequence_parallel",
-                                    kernel_options=dict(base="xla", piece_len=32))
+                                    use_qk_l2norm=True, chunk_size=CHUNK,
+                                    config=ops.SequenceParallelConfig(base="xla", piece_len=32))
 
     for cu, ccu, offsets in [([0, 40, 41, 90], [0, 2, 2, 3], [1, 32, 17, 0]),
                              ([0, 0, 70, 96], [0, 0, 3, 4], [16, 32, 69, 5])]:
@@ -332,8 +330,8 @@ def test_unsupported_calls_name_their_reason():
                              (dict(base="xla", num_warps=4), "tuning: "),
                              (dict(base="pallas_triton"), "base: ")]:  # no GPU and no interpret=True here
         assert gdn_sp.supports(*inputs.values(), **options).startswith(message)
-        with pytest.raises(ValueError, match="implementation: 'sequence_parallel' does not support"):
-            ops.gated_delta_rule(*inputs.values(), implementation="sequence_parallel", kernel_options=options)
+    with pytest.raises(ValueError, match="implementation: 'sequence_parallel' does not support this call: base: "):
+        ops.gated_delta_rule(*inputs.values(), config=ops.SequenceParallelConfig(base="pallas_triton"))
     assert gdn_sp.supports(*inputs.values()) is None  # the XLA base, here on CPU
     assert kda_sp.supports(*inputs.values()).startswith("g: ")
 
@@ -350,14 +348,14 @@ ENTRIES = {"gdn": ops.gated_delta_rule, "kda": ops.kda}
 
 @pytest.mark.parametrize("op, case", DELTA_CASES, ids=[f"{op}-{case.name}" for op, case in DELTA_CASES])
 def test_xla_base_matches_vectors(op, case):
-    options = dict(base="xla", piece_len=128, piece_cuts="checkpoints")
-    outputs = ENTRIES[op](**case.arguments, implementation="sequence_parallel", kernel_options=options)
+    config = ops.SequenceParallelConfig(base="xla", piece_len=128, piece_cuts="checkpoints")
+    outputs = ENTRIES[op](**case.arguments, config=config)
     check_case(case, [np.asarray(o) for o in outputs])
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("op, case", DELTA_CASES, ids=[f"{op}-{case.name}" for op, case in DELTA_CASES])
 def test_pallas_base_matches_vectors(op, case):
-    options = dict(base="pallas_triton", interpret=True, piece_len=64, piece_cuts="snap")
-    outputs = ENTRIES[op](**case.arguments, implementation="sequence_parallel", kernel_options=options)
+    config = ops.SequenceParallelConfig(base="pallas_triton", interpret=True, piece_len=64, piece_cuts="snap")
+    outputs = ENTRIES[op](**case.arguments, config=config)
     check_case(case, [np.asarray(o) for o in outputs])

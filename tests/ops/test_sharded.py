@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxckpt.ops import causal_conv1d, gated_delta_rule, kda, ssd
+from jaxckpt.ops import DeltaPallasTritonConfig, causal_conv1d, gated_delta_rule, kda, ssd
 from jaxckpt.ops.sharded import causal_conv1d_sharded, gated_delta_rule_sharded, kda_sharded, ssd_sharded
 from jaxckpt.plan.conventions import PAD_CHECKPOINT_OFFSET
 
@@ -92,7 +92,7 @@ print("gdn: split and batched ok")
 # the Pallas kernels (interpret mode here) run unchecked under the map: they declare no varying manual axes
 pq, pk, pv = f32(T, 2, 16), f32(T, 2, 16), f32(T, 4, 16)
 pg, pbeta = -jax.nn.softplus(f32(T, 4)), jax.nn.sigmoid(f32(T, 4))
-popts = dict(chunk_size=16, implementation="pallas_triton", kernel_options={"interpret": True})
+popts = dict(chunk_size=16, config=DeltaPallasTritonConfig(interpret=True))
 want = jax.jit(lambda: gated_delta_rule(pq, pk, pv, pg, pbeta, **meta, **popts))()
 got = gated_delta_rule_sharded(meshes[2], pq, pk, pv, pg, pbeta, **meta, **popts)
 assert rel(got[0][:cu[-1]], want[0][:cu[-1]]) <= 1e-6 and rel(got[1], want[1]) <= 1e-6

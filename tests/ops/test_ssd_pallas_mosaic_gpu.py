@@ -201,6 +201,6 @@ def test_no_tokens_and_the_public_entry():
 
     rng = fresh_rng()
     empty = make_inputs(rng, 0, 1, np.array([0, 0], np.int32))
-    y, final, _ = ops.ssd(**empty, implementation="pallas_mosaic_gpu", kernel_options=dict(interpret=True))
+    y, final, _ = ops.ssd(**empty, config=ops.SsdPallasMosaicGpuConfig(interpret=True))
     assert y.shape == (0, HEADS, P)
     np.testing.assert_array_equal(np.asarray(final), np.asarray(empty["initial_state"]))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxckpt import ops
 from jaxckpt.ops.ssd import pallas_triton
 from jaxckpt.ops.ssd import reference
 from tests.numerics import rel_rms
@@ -92,7 +93,6 @@ def test_supports_names_the_reason():
 
 
 def test_through_the_public_entry_with_fallback_reasons():
-    from jaxckpt import ops
     from jaxckpt.ops.common.api import choose_implementation
     from jaxckpt.ops.ssd.api import REGISTRY
 
@@ -108,7 +108,7 @@ def test_through_the_public_entry_with_fallback_reasons():
                 z=z)
     expected = ops.ssd(x, dt, A, B, C, **meta, implementation="reference")
     got = ops.ssd(x, dt, A, B, C, **meta, implementation="pallas_triton", num_decodes=1, chunk_size=16,
-                  kernel_options={"interpret": True})
+                  config=ops.SsdPallasTritonConfig(interpret=True))
     for a, b in zip(got, expected):
         assert np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b) < 1e-5
     choice = choose_implementation(REGISTRY, None, x=x, dt=dt, B=B, C=C, chunk_size=16)

@@ -231,3 +231,98 @@ def test_bad_input_raises_before_any_launch_or_write():
         chunk_gated_delta_rule_split(**args, initial_state=torch.tensor(arrays["initial_state"]).double(),
                                      cu_seqlens=cu, kernel=fake)
     assert fake.calls == [] and torch.isnan(pool).all()
+
+
+def gate_parameters(rng, *, v_heads=4, dim=8):
+    """KDA gate parameters: A_log [HV] and the flat dt_bias [HV * K] of vLLM's storage, as numpy and torch."""
+    arrays = dict(A_log=rng.uniform(-1.0, 0.5, v_heads).astype(np.float32),
+                  dt_bias=rng.uniform(-0.5, 0.5, v_heads * dim).astype(np.float32))
+    return arrays, torch_args(arrays)
+
+
+@pytest.mark.parametrize("gate", ["softplus", "bounded", "bounded_without_A_log"])
+def test_kda_model_options_reach_fla_under_its_names(gate):
+    rng = np.random.default_rng(408)
+    arrays, cu = problem(rng, [130, 0, 70], per_channel=True)
+    arrays["g"] = rng.standard_normal(arrays["g"].shape).astype(np.float32)  # the raw gate input
+    parameters, tensors = gate_parameters(rng)
+    if gate == "bounded_without_A_log":
+        del parameters["A_log"], tensors["A_log"]
+    lower_bound = None if gate == "softplus" else -3.0
+    ccu, offsets = np.array([0, 2, 2, 3], np.int32), np.array([64, 128, 64], np.int32)
+    meta = dict(cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=offsets)
+    expected = kda_reference(**arrays, **parameters, use_qk_l2norm=True, lower_bound=lower_bound, **meta)
+    for entry in (chunk_kda_split, chunk_kda_native):
+        fake = FakeFLA()
+        out = entry(**torch_args(arrays), **tensors, use_qk_l2norm=True, lower_bound=lower_bound, kernel=fake, **meta)
+        bound = BOUND if entry is chunk_kda_split else 2 ** -8  # native checkpoints are FLA's bf16 states
+        check_outputs(out, expected, cu, ccu, bound=bound)
+        assert len(fake.keywords) == (3 if entry is chunk_kda_split else 1)
+        for keywords in fake.keywords:
+            assert keywords["use_qk_l2norm_in_kernel"] is True and keywords["use_gate_in_kernel"] is True
+            assert keywords["lower_bound"] == lower_bound
+            assert keywords["A_log"] is tensors.get("A_log") and keywords["dt_bias"] is tensors["dt_bias"]
+
+
+def test_gdn_use_qk_l2norm_is_the_only_model_keyword_fla_gets():
+    rng = np.random.default_rng(409)
+    arrays, cu = problem(rng, [9, 20])
+    arrays["k"] *= 3  # unnormalized, so the l2norm matters
+    ccu, offsets = np.array([0, 1, 2], np.int32), np.array([4, 11], np.int32)
+    meta = dict(cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=offsets)
+    for use_qk_l2norm in (False, True):
+        fake = FakeFLA()
+        out = chunk_gated_delta_rule_split(**torch_args(arrays), use_qk_l2norm=use_qk_l2norm, kernel=fake, **meta)
+        check_outputs(out, gdn_reference(**arrays, use_qk_l2norm=use_qk_l2norm, **meta), cu, ccu, bound=BOUND)
+        for keywords in fake.keywords:
+            assert set(keywords) == {"scale", "initial_state", "output_final_state", "cu_seqlens", "cu_seqlens_cpu",
+                                     "use_qk_l2norm_in_kernel"}
+            assert keywords["use_qk_l2norm_in_kernel"] is use_qk_l2norm
+
+
+def test_fla_names_and_other_unknown_keywords_raise_type_error_before_any_launch():
+    rng = np.random.default_rng(410)
+    arrays, cu = problem(rng, [10, 6], per_channel=True)
+    _, tensors = gate_parameters(rng)
+    gdn_arrays, _ = problem(rng, [10, 6])
+    fake = FakeFLA()
+    unknown = [(chunk_kda_split, arrays, dict(use_qk_l2norm_in_kernel=True)),
+               (chunk_kda_native, arrays, dict(chunk_size=32)),
+               (chunk_kda_split, arrays, dict(use_gate_in_kernel=True, **tensors)),
+               (chunk_kda_split, arrays, dict(safe_gate=True)),
+               (chunk_gated_delta_rule_split, gdn_arrays, dict(A_log=tensors["A_log"])),
+               (chunk_gated_delta_rule_split, gdn_arrays, dict(kernel_options={}))]
+    for entry, problem_arrays, keywords in unknown:
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            entry(**torch_args(problem_arrays), cu_seqlens=cu, kernel=fake, **keywords)
+    pool = torch.full((4, 4, 8, 8), float("nan"))
+    paged = {k: v for k, v in torch_args(arrays).items() if k != "initial_state"}
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        chunk_kda_split_paged(**paged, state_pool=pool, **two_row_paged_options(cu), kernel=fake,
+                              use_qk_l2norm_in_kernel=True)
+    assert fake.calls == [] and torch.isnan(pool).all()
+
+
+def test_bad_model_options_raise_before_any_launch_or_write():
+    rng = np.random.default_rng(411)
+    arrays, cu = problem(rng, [10, 6], per_channel=True)
+    _, tensors = gate_parameters(rng)
+    args = torch_args({k: v for k, v in arrays.items() if k != "initial_state"})
+    pool = torch.full((4, 4, 8, 8), float("nan"))
+    bad = [
+        ("A_log", dict(A_log=tensors["A_log"][:3])),
+        ("A_log", dict(A_log=tensors["A_log"].double())),
+        ("A_log", dict(A_log=arrays["q"][0, 0, :4])),
+        ("dt_bias", dict(dt_bias=tensors["dt_bias"])),  # no A_log or lower_bound: nothing would use it
+        ("dt_bias", dict(A_log=tensors["A_log"], dt_bias=tensors["dt_bias"][:8])),
+        ("lower_bound", dict(lower_bound=-6.0)),
+        ("lower_bound", dict(lower_bound=0.0)),
+        ("lower_bound", dict(lower_bound=True)),
+    ]
+    fake = FakeFLA()
+    assert_each_raises(chunk_kda_split_paged, bad, **args, state_pool=pool, **two_row_paged_options(cu), kernel=fake)
+    assert_each_raises(chunk_kda_native_paged, bad, **args, state_pool=pool, **two_row_paged_options(cu), kernel=fake)
+    gdn_arrays, _ = problem(rng, [10, 6])
+    with pytest.raises(ValueError, match="^lower_bound: the fused gate is KDA's"):
+        split_prefill(fake, **torch_args(gdn_arrays), per_channel=False, cu_seqlens=cu, lower_bound=-1.0)
+    assert fake.calls == [] and torch.isnan(pool).all()

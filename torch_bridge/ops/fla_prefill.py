@@ -19,6 +19,13 @@ The FLA function is looked up on first use; every entry takes `kernel=` to run a
 keeps the input's rank. `initial_state` is fp32 [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk", FLA's
 `state_v_first=True`). The paged forms gather initial states from, and write final and checkpoint states into,
 vLLM-style pools through `torch_bridge.interop` (`index_copy_`; -1 and the null slot skipped).
+
+Model options carry jaxckpt's names (`jaxckpt.ops.gated_delta_rule` / `kda`) and reach FLA under its own, in every
+launch: `use_qk_l2norm` -> `use_qk_l2norm_in_kernel`; KDA's gate `A_log`, `dt_bias`, `lower_bound` -> the same names
+plus `use_gate_in_kernel=True` when `A_log` or `lower_bound` is given. Both act per token, so cutting a row at its
+checkpoints does not change them. FLA's other keywords are not taken (a TypeError): `chunk_size` would move the
+native path's 64-token grid, `cp_context`, `use_graph`, `chunk_indices` and `disable_recompute` do not fit launches
+planned here for inference, and the beta and `safe_gate` switches have no jaxckpt counterpart to test against.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from torch_bridge.interop import (check_pool, gather_states, host_metadata, pool
 from torch_bridge.spec import FLA_KDA_ALIGNMENT
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+# jaxckpt's range for KDA's bounded gate (FLA's safe-gate range), so both sides of the bridge take the same gates
+_LOWER_BOUND_RANGE = (-5.0, 0.0)
 
 
 def _fla_gdn():
@@ -46,11 +55,51 @@ def _fla_kda():
     return chunk_kda
 
 
+def _check_tensor(name: str, t, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, expected the device of q ({device})")
+    if t.dtype not in _FLOATS:
+        raise ValueError(f"{name}: dtype must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def _check_parameter(name: str, t, shapes: tuple, device) -> None:
+    _check_tensor(name, t, device)
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{name}: expected shape {' or '.join(map(str, shapes))}, got {tuple(t.shape)}")
+
+
+def _fla_options(*, per_channel: bool, num_v_heads: int, dim_k: int, device, use_qk_l2norm: bool, A_log, dt_bias,
+                 lower_bound) -> dict:
+    """The user's model options under FLA's keyword names, checked here because FLA's Triton gate would read a
+    wrong-sized A_log or dt_bias out of bounds instead of raising."""
+    options = dict(use_qk_l2norm_in_kernel=use_qk_l2norm)
+    if not per_channel:
+        for name, value in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+            if value is not None:
+                raise ValueError(f"{name}: the fused gate is KDA's (per_channel); GDN's g is the log decay itself")
+        return options
+    if lower_bound is not None:
+        low, high = _LOWER_BOUND_RANGE
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float, np.integer, np.floating)) \
+                or not low <= lower_bound < high:
+            raise ValueError(f"lower_bound: must be a number in [{low:g}, {high:g}), got {lower_bound!r}")
+    if A_log is not None:
+        _check_parameter("A_log", A_log, ((num_v_heads,),), device)
+    gated = A_log is not None or lower_bound is not None
+    if dt_bias is not None:
+        if not gated:
+            raise ValueError("dt_bias: only used with A_log or lower_bound; without them g is the log decay itself")
+        _check_parameter("dt_bias", dt_bias, ((num_v_heads, dim_k), (num_v_heads * dim_k,)), device)
+    return dict(options, use_gate_in_kernel=gated, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+
+
 class _Inputs:
-    """Checked token inputs in FLA's [1, T, ...] form, the host metadata and the state shape."""
+    """Checked token inputs in FLA's [1, T, ...] form, the host metadata, the state shape and FLA's keywords."""
 
     def __init__(self, q, k, v, g, beta, *, per_channel: bool, cu_seqlens, checkpoint_cu, checkpoint_offsets,
-                 state_layout: str):
+                 state_layout: str, use_qk_l2norm: bool, A_log, dt_bias, lower_bound):
         check_state_layout(state_layout)
         if not isinstance(q, torch.Tensor):
             raise ValueError(f"q: expected a torch.Tensor, got {type(q).__name__}")
@@ -61,12 +110,7 @@ class _Inputs:
         lift = (lambda t: t) if self.batched else (lambda t: t.unsqueeze(0))
         named = dict(q=q, k=k, v=v, g=g, beta=beta)
         for name, t in named.items():
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-            if t.device != q.device:
-                raise ValueError(f"{name}: on {t.device}, expected the device of q ({q.device})")
-            if t.dtype not in _FLOATS:
-                raise ValueError(f"{name}: dtype must be float32, float16 or bfloat16, got {t.dtype}")
+            _check_tensor(name, t, q.device)
         for name in ("k", "v"):
             if named[name].dtype != q.dtype:
                 raise ValueError(f"{name}: dtype {named[name].dtype} differs from q's {q.dtype}")
@@ -92,7 +136,11 @@ class _Inputs:
         self.state_shape = (num_v_heads, dim_k, dim_v) if state_layout == "kv" else (num_v_heads, dim_v, dim_k)
         self.cu, self.ccu, self.offsets = host_metadata(num_tokens, cu_seqlens, checkpoint_cu, checkpoint_offsets)
         self.num_rows = self.cu.size - 1
-        self.layout_options = {"state_v_first": True} if state_layout == "vk" else {}
+        self.fla_options = _fla_options(per_channel=per_channel, num_v_heads=num_v_heads, dim_k=dim_k,
+                                        device=q.device, use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
+                                        lower_bound=lower_bound)
+        if state_layout == "vk":
+            self.fla_options["state_v_first"] = True
 
     def initial(self, initial_state) -> torch.Tensor:
         shape = (self.num_rows, *self.state_shape)
@@ -118,7 +166,7 @@ def _long(array, device) -> torch.Tensor:
     return torch.as_tensor(np.asarray(array, np.int64), device=device)
 
 
-def _split(kernel, inputs: _Inputs, states: torch.Tensor, *, scale, kernel_options: dict):
+def _split(kernel, inputs: _Inputs, states: torch.Tensor, *, scale):
     """Runs the split launches; `states` [N, ...] fp32 holds the initial states and is updated to the finals."""
     device = inputs.device
     o = torch.zeros(inputs.out_shape, dtype=inputs.out_dtype, device=device)
@@ -135,7 +183,7 @@ def _split(kernel, inputs: _Inputs, states: torch.Tensor, *, scale, kernel_optio
         seg_o, seg_final = kernel(*(t.index_select(1, tokens) for t in inputs.tokens), scale=scale,
                                   initial_state=states.index_select(0, rows).contiguous(), output_final_state=True,
                                   cu_seqlens=_long(seg_cu, device), cu_seqlens_cpu=torch.as_tensor(seg_cu),
-                                  **inputs.layout_options, **kernel_options)[:2]
+                                  **inputs.fla_options)[:2]
         o.index_copy_(1, tokens, seg_o.to(o.dtype))
         seg_final = seg_final.float()
         states.index_copy_(0, rows, seg_final)
@@ -147,29 +195,45 @@ def _split(kernel, inputs: _Inputs, states: torch.Tensor, *, scale, kernel_optio
     return o, checkpoint_states
 
 
-def split_prefill(kernel, q, k, v, g, beta, *, per_channel: bool, scale=None, initial_state=None, cu_seqlens=None,
-                  checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", **kernel_options):
+def split_prefill(kernel, q, k, v, g, beta, *, per_channel: bool, scale=None, use_qk_l2norm: bool = False,
+                  initial_state=None, cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv",
+                  A_log=None, dt_bias=None, lower_bound=None):
     """Split-at-checkpoint prefill through `kernel` (FLA's signature); returns (o, final_state, checkpoint_states).
 
     q, k [T, H, K] (or [1, T, H, K]); v [T, HV, V]; g [T, HV] (GDN) or [T, HV, K] (KDA, `per_channel`); beta [T, HV];
     cu_seqlens i32/i64[N + 1]; checkpoint_cu i32[N + 1] + checkpoint_offsets i32[M] (CSR, any offset in (0, len)).
+    scale: q's factor, None = K**-0.5. use_qk_l2norm: L2-normalize q and k per head inside the kernel (FLA's
+    `use_qk_l2norm_in_kernel`). KDA only (`per_channel`), the fused gate of `jaxckpt.ops.kda`: with A_log [HV] the
+    raw g becomes -exp(A_log) * softplus(g + dt_bias); with lower_bound in [-5, 0) the bounded gate
+    lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (A_log None: lower_bound * sigmoid(g + dt_bias)); dt_bias
+    [HV, K] or [HV * K], None = 0. Without A_log and lower_bound, g is the log decay itself.
     final_state and checkpoint_states are fp32; padded CSR entries give zero rows, padding tokens zero outputs.
     """
     inputs = _Inputs(q, k, v, g, beta, per_channel=per_channel, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
-                     checkpoint_offsets=checkpoint_offsets, state_layout=state_layout)
+                     checkpoint_offsets=checkpoint_offsets, state_layout=state_layout, use_qk_l2norm=use_qk_l2norm,
+                     A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     states = inputs.initial(initial_state).clone()
-    o, checkpoint_states = _split(kernel, inputs, states, scale=scale, kernel_options=kernel_options)
+    o, checkpoint_states = _split(kernel, inputs, states, scale=scale)
     return inputs.output(o), states, checkpoint_states
 
 
-def chunk_gated_delta_rule_split(q, k, v, g, beta, *, kernel=None, **options):
+def chunk_gated_delta_rule_split(q, k, v, g, beta, *, scale=None, use_qk_l2norm: bool = False, initial_state=None,
+                                 cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv",
+                                 kernel=None):
     """GDN over FLA's `chunk_gated_delta_rule`, split at the checkpoints (see `split_prefill`)."""
-    return split_prefill(kernel or _fla_gdn(), q, k, v, g, beta, per_channel=False, **options)
+    return split_prefill(kernel or _fla_gdn(), q, k, v, g, beta, per_channel=False, scale=scale,
+                         use_qk_l2norm=use_qk_l2norm, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                         checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets, state_layout=state_layout)
 
 
-def chunk_kda_split(q, k, v, g, beta, *, kernel=None, **options):
-    """KDA over FLA's `chunk_kda`, split at the checkpoints (see `split_prefill`)."""
-    return split_prefill(kernel or _fla_kda(), q, k, v, g, beta, per_channel=True, **options)
+def chunk_kda_split(q, k, v, g, beta, *, scale=None, use_qk_l2norm: bool = False, initial_state=None, cu_seqlens=None,
+                    checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", A_log=None, dt_bias=None,
+                    lower_bound=None, kernel=None):
+    """KDA over FLA's `chunk_kda`, split at the checkpoints (see `split_prefill`, gate options included)."""
+    return split_prefill(kernel or _fla_kda(), q, k, v, g, beta, per_channel=True, scale=scale,
+                         use_qk_l2norm=use_qk_l2norm, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                         checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets, state_layout=state_layout,
+                         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
 
 
 def _native_plan(inputs: _Inputs) -> np.ndarray:
@@ -185,15 +249,14 @@ def _native_plan(inputs: _Inputs) -> np.ndarray:
     return np.asarray(layout.checkpoint_chunk)[:num_real]
 
 
-def _native(kernel, inputs: _Inputs, initial: torch.Tensor, *, scale, kernel_options: dict):
+def _native(kernel, inputs: _Inputs, initial: torch.Tensor, *, scale):
     chunks = _native_plan(inputs)
     device = inputs.device
     # FLA hands out h only in inference mode (it bypasses autograd); o comes back as an inference tensor
     with torch.inference_mode():
         o, final, h = kernel(*inputs.tokens, scale=scale, initial_state=initial, output_final_state=True,
                              return_intermediate_states=True, cu_seqlens=_long(inputs.cu, device),
-                             cu_seqlens_cpu=torch.as_tensor(inputs.cu, dtype=torch.int64), **inputs.layout_options,
-                             **kernel_options)
+                             cu_seqlens_cpu=torch.as_tensor(inputs.cu, dtype=torch.int64), **inputs.fla_options)
     if h.ndim == 5:
         h = h[0]
     checkpoint_states = torch.zeros((inputs.offsets.size, *inputs.state_shape), dtype=torch.float32, device=device)
@@ -207,18 +270,20 @@ def _native(kernel, inputs: _Inputs, initial: torch.Tensor, *, scale, kernel_opt
     return o, final, checkpoint_states
 
 
-def chunk_kda_native(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, checkpoint_cu=None,
-                     checkpoint_offsets=None, state_layout="kv", kernel=None, **kernel_options):
+def chunk_kda_native(q, k, v, g, beta, *, scale=None, use_qk_l2norm: bool = False, initial_state=None, cu_seqlens=None,
+                     checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", A_log=None, dt_bias=None,
+                     lower_bound=None, kernel=None):
     """KDA with checkpoints read from FLA's intermediate states: one launch, offsets on the 64-token grid only.
 
-    Arguments and returns as `split_prefill`; checkpoint_states are fp32 tensors holding FLA's bf16 states.
+    Arguments (gate options included) and returns as `split_prefill`; checkpoint_states are fp32 tensors holding
+    FLA's bf16 states.
     """
     inputs = _Inputs(q, k, v, g, beta, per_channel=True, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
-                     checkpoint_offsets=checkpoint_offsets, state_layout=state_layout)
+                     checkpoint_offsets=checkpoint_offsets, state_layout=state_layout, use_qk_l2norm=use_qk_l2norm,
+                     A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     initial = inputs.initial(initial_state)
     _native_plan(inputs)
-    o, final, checkpoint_states = _native(kernel or _fla_kda(), inputs, initial, scale=scale,
-                                          kernel_options=kernel_options)
+    o, final, checkpoint_states = _native(kernel or _fla_kda(), inputs, initial, scale=scale)
     return inputs.output(o), final, checkpoint_states
 
 
@@ -238,45 +303,65 @@ def _slot_args(initial_state_indices, has_initial_state, final_state_indices, ch
 
 def split_prefill_paged(kernel, q, k, v, g, beta, state_pool, *, per_channel: bool, initial_state_indices,
                         has_initial_state, final_state_indices, checkpoint_state_indices=None, scale=None,
-                        cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv",
-                        **kernel_options):
+                        use_qk_l2norm: bool = False, cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None,
+                        state_layout="kv", A_log=None, dt_bias=None, lower_bound=None):
     """`split_prefill` over a pool [S, HV, ., .] (fp32/bf16/fp16): reads initial states, writes final and checkpoint
     states in place (vLLM -1 / null slots skipped, padded CSR entries skipped). Returns o.
 
     initial_state_indices, has_initial_state, final_state_indices  # i32[N], bool[N], i32[N]
     checkpoint_state_indices                                       # i32[M]
+    Model options (scale, use_qk_l2norm, KDA's A_log, dt_bias, lower_bound) as `split_prefill`.
     All slots are validated before the first launch; a bad one raises ValueError and nothing is written.
     """
     inputs = _Inputs(q, k, v, g, beta, per_channel=per_channel, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
-                     checkpoint_offsets=checkpoint_offsets, state_layout=state_layout)
+                     checkpoint_offsets=checkpoint_offsets, state_layout=state_layout, use_qk_l2norm=use_qk_l2norm,
+                     A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
 
     def run(initial):
-        o, checkpoint_states = _split(kernel, inputs, initial, scale=scale, kernel_options=kernel_options)
+        o, checkpoint_states = _split(kernel, inputs, initial, scale=scale)
         return o, initial, checkpoint_states
 
     return _paged(run, inputs, state_pool, _slot_args(initial_state_indices, has_initial_state, final_state_indices,
                                                       checkpoint_state_indices))
 
 
-def chunk_gated_delta_rule_split_paged(q, k, v, g, beta, state_pool, *, kernel=None, **options):
+def chunk_gated_delta_rule_split_paged(q, k, v, g, beta, state_pool, *, initial_state_indices, has_initial_state,
+                                       final_state_indices, checkpoint_state_indices=None, scale=None,
+                                       use_qk_l2norm: bool = False, cu_seqlens=None, checkpoint_cu=None,
+                                       checkpoint_offsets=None, state_layout="kv", kernel=None):
     """GDN split at the checkpoints over a state pool (see `split_prefill_paged`)."""
-    return split_prefill_paged(kernel or _fla_gdn(), q, k, v, g, beta, state_pool, per_channel=False, **options)
+    return split_prefill_paged(kernel or _fla_gdn(), q, k, v, g, beta, state_pool, per_channel=False,
+                               initial_state_indices=initial_state_indices, has_initial_state=has_initial_state,
+                               final_state_indices=final_state_indices,
+                               checkpoint_state_indices=checkpoint_state_indices, scale=scale,
+                               use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
+                               checkpoint_offsets=checkpoint_offsets, state_layout=state_layout)
 
 
-def chunk_kda_split_paged(q, k, v, g, beta, state_pool, *, kernel=None, **options):
+def chunk_kda_split_paged(q, k, v, g, beta, state_pool, *, initial_state_indices, has_initial_state,
+                          final_state_indices, checkpoint_state_indices=None, scale=None, use_qk_l2norm: bool = False,
+                          cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", A_log=None,
+                          dt_bias=None, lower_bound=None, kernel=None):
     """KDA split at the checkpoints over a state pool (see `split_prefill_paged`)."""
-    return split_prefill_paged(kernel or _fla_kda(), q, k, v, g, beta, state_pool, per_channel=True, **options)
+    return split_prefill_paged(kernel or _fla_kda(), q, k, v, g, beta, state_pool, per_channel=True,
+                               initial_state_indices=initial_state_indices, has_initial_state=has_initial_state,
+                               final_state_indices=final_state_indices,
+                               checkpoint_state_indices=checkpoint_state_indices, scale=scale,
+                               use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
+                               checkpoint_offsets=checkpoint_offsets, state_layout=state_layout, A_log=A_log,
+                               dt_bias=dt_bias, lower_bound=lower_bound)
 
 
 def chunk_kda_native_paged(q, k, v, g, beta, state_pool, *, initial_state_indices, has_initial_state,
-                           final_state_indices, checkpoint_state_indices=None, scale=None, cu_seqlens=None,
-                           checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", kernel=None,
-                           **kernel_options):
+                           final_state_indices, checkpoint_state_indices=None, scale=None,
+                           use_qk_l2norm: bool = False, cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None,
+                           state_layout="kv", A_log=None, dt_bias=None, lower_bound=None, kernel=None):
     """`chunk_kda_native` over a state pool, as `split_prefill_paged`; offsets must lie on the 64-token grid."""
     inputs = _Inputs(q, k, v, g, beta, per_channel=True, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
-                     checkpoint_offsets=checkpoint_offsets, state_layout=state_layout)
+                     checkpoint_offsets=checkpoint_offsets, state_layout=state_layout, use_qk_l2norm=use_qk_l2norm,
+                     A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     _native_plan(inputs)
     fn = kernel or _fla_kda()
-    return _paged(lambda initial: _native(fn, inputs, initial, scale=scale, kernel_options=kernel_options), inputs,
-                  state_pool, _slot_args(initial_state_indices, has_initial_state, final_state_indices,
-                                         checkpoint_state_indices))
+    return _paged(lambda initial: _native(fn, inputs, initial, scale=scale), inputs, state_pool,
+                  _slot_args(initial_state_indices, has_initial_state, final_state_indices,
+                             checkpoint_state_indices))

@@ -3,19 +3,18 @@ the split-at-checkpoint driver.
 
 Implementations are looked up by name in an op's registry, `{name: "module:function"}`, and imported on first use. A
 module may define `supports(**call) -> str | None`: a reason string declines the call, and `implementation=None`
-then falls back to the next (the portable "xla" path last); the returned `Choice` keeps the reasons. `kernel_options`
-the implementation that runs does not take are ignored with an `IgnoredKernelOptions` warning, which names the
-implementations declined before it and why. A module that JAX can differentiate through says so with
-`differentiable(**call) -> bool`; `run` wraps every other one so that `jax.grad`, `jax.vjp`, `jax.jvp` and
+then falls back to the next (the portable "xla" path last); the returned `Choice` keeps the reasons. A `config`
+(`jaxckpt.ops.common.configs`) names the implementation it tunes: the call runs that one, or raises if it declines
+or another is named, and its fields go to it as keyword options. A module that JAX can differentiate through says
+so with `differentiable(**call) -> bool`; `run` wraps every other one so that `jax.grad`, `jax.vjp`, `jax.jvp` and
 `jax.linearize` raise a ValueError naming `implementation="xla"` instead of failing inside the kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import importlib
-import warnings
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -37,11 +36,6 @@ class Choice:
     function: Callable
     declined: tuple[tuple[str, str], ...]  # (implementation, reason) tried before this one
     differentiable: bool = False  # JAX can differentiate through `function` for this call
-
-
-class IgnoredKernelOptions(UserWarning):
-    """`kernel_options` that the implementation running the call does not take, e.g. Mosaic GPU options after
-    `implementation=None` fell back to "xla"."""
 
 
 def _load(target: str):
@@ -264,24 +258,38 @@ def run_split(function: Callable, token_arrays: Mapping[str, object], initial_st
 CHECKPOINT_METHODS = ("in_chunk", "forced_break", "split")
 
 
-def _accepted(function: Callable, options: Mapping[str, object], kernel_options: Mapping[str, object]) -> dict:
-    """The options a function's signature names; kernel options all go to a function that takes **tuning."""
+def resolve_config(configs: Mapping[str, type], implementation: str | None, config) -> tuple[str | None, dict]:
+    """(the implementation to run, the keyword options of `config`): a config runs the implementation it tunes."""
+    if config is None:
+        return implementation, {}
+    owner = next((name for name, cls in configs.items() if type(config) is cls), None)
+    if owner is None:
+        expected = sorted({cls.__name__ for cls in configs.values()})
+        raise ValueError(f"config: a {type(config).__name__} tunes none of this op's implementations; expected one "
+                         f"of {expected} or None")
+    if implementation not in (None, owner):
+        raise ValueError(f"config: a {type(config).__name__} tunes {owner!r}, but implementation={implementation!r}")
+    return owner, config.options()
+
+
+def _named_options(function: Callable, options: Mapping[str, object]) -> dict:
+    """The op's options that the implementation's signature names (e.g. the kernels take no checkpoint_method)."""
     params = inspect.signature(function).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    call = {name: value for name, value in options.items() if name in params}
-    call.update({name: value for name, value in kernel_options.items() if takes_any or name in params})
-    return call
+    return {name: value for name, value in options.items() if name in params}
 
 
 def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapping[str, object], *, initial_state,
         cu_seqlens, checkpoint_cu, checkpoint_offsets, implementation: str | None, checkpoint_method: str,
-        num_decodes: int, decode_step: Callable | None, support_call: Mapping[str, object],
-        state_shape: tuple[int, ...], kernel_options: Mapping[str, object] | None = None):
+        num_decodes: int, decode_step: Callable | None, state_shape: tuple[int, ...], chunk_size: int | None,
+        configs: Mapping[str, type], config=None):
     """One public op call on packed inputs: picks the implementation, peels off leading decode rows, runs.
 
     `arrays` are the per-token inputs by parameter name; `options` the op's other arguments (per-head parameters such
-    as SSD's `A` included), passed on to an implementation only where its signature takes them. The first `num_decodes` rows must be single tokens (vLLM puts
-    decode rows first); they take `decode_step(**arrays, initial_state=..., **options)` instead of chunk machinery.
+    as SSD's `A` included), passed on to an implementation only where its signature takes them; `chunk_size` to every
+    implementation but the reference (None for an op without chunks). `config` (one of
+    `configs`' classes) picks the implementation it tunes (`resolve_config`). The first `num_decodes` rows must be
+    single tokens (vLLM puts decode rows first); they take `decode_step(**arrays, initial_state=..., **options)`
+    instead of chunk machinery.
     """
     if checkpoint_method not in CHECKPOINT_METHODS:
         raise ValueError(f"checkpoint_method: must be one of {CHECKPOINT_METHODS}, got {checkpoint_method!r}")
@@ -291,32 +299,30 @@ def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapp
     # all rows, decode rows included: a bound on the prefill rows the kernel gets
     # the chunked paths read "forced_break" (a chunk starts at every checkpoint); the kernels export inside their
     # fixed chunks only, so they decline it rather than run "in_chunk" in its place (the reference has no chunks)
+    named = implementation
+    implementation, tuning = resolve_config(configs, implementation, config)
+    kernel = ({} if chunk_size is None else {"chunk_size": chunk_size}) | tuning  # chunk_size None: no chunks
     forced_break = checkpoint_method == "forced_break" and implementation != "reference"
     choice = choose_implementation(registry, implementation, cu_seqlens=cu_seqlens,
                                    needs={"checkpoint_method": checkpoint_method} if forced_break else {},
-                                   **support_call)
+                                   **arrays, **kernel)
     function = choice.function
     if not choice.differentiable:
-        picked = repr(choice.name) if implementation else f"None picked {choice.name!r}, which"
+        picked = (repr(choice.name) if named else f"None picked {choice.name!r}, which" if config is None
+                  else f"the {type(config).__name__} picked {choice.name!r}, which")
         function = _not_differentiable(function, f"implementation: {picked} is not differentiable (jax.grad, jax.vjp, "
                                                 f"jax.jvp, jax.linearize); pass implementation=\"xla\" to "
                                                 f"differentiate through this op")
     first = next(iter(arrays.values()))
     cu, ccu, offsets = host_metadata(first.shape[0], cu_seqlens, checkpoint_cu, checkpoint_offsets)
     if choice.name == "reference":
-        # token by token in float64: no kernel options apply (the entries always add chunk_size)
+        # token by token in float64: no chunks, no tuning
         return function(**arrays, **options, initial_state=initial_state, cu_seqlens=cu, checkpoint_cu=ccu,
                         checkpoint_offsets=offsets)
     if num_decodes and not is_traced(cu) and np.any(np.asarray(cu)[:num_decodes + 1] != np.arange(num_decodes + 1)):
         raise ValueError(f"num_decodes: the first {num_decodes} rows must hold one token each (decode rows first)")
     extra = {"checkpoint_method": checkpoint_method} if checkpoint_method != "split" else {}
-    call = _accepted(choice.function, {**options, **extra}, kernel_options or {})
-    ignored = sorted(set(kernel_options or {}) - set(call))
-    if ignored:
-        declined = "; ".join(f"{name}: {reason}" for name, reason in choice.declined)
-        warnings.warn(f"kernel_options: {ignored} are not options of {choice.name!r}, which runs this call, and are "
-                      f"ignored" + (f" (declined before it: {declined})" if declined else ""), IgnoredKernelOptions,
-                      stacklevel=3)
+    call = {**_named_options(choice.function, {**options, **extra}), **kernel}
     prefill_arrays = {name: a[num_decodes:] for name, a in arrays.items()}
     prefill_cu = jnp.asarray(cu)[num_decodes:] - num_decodes if num_decodes else cu
     prefill_ccu = jnp.asarray(ccu)[num_decodes:] if num_decodes else ccu
