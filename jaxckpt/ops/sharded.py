@@ -1,11 +1,12 @@
 """Head-sharded recurrent ops: the public ops under `jax.shard_map`, every shard running whole heads.
 
 The recurrences never mix heads, so splitting the head axis over one mesh axis needs no communication: each device
-runs the public op (`implementation="xla"` by default) on its heads and the outputs, final states and checkpoint
-states come back sharded on the same axis. GDN / KDA split q, k on the key-head axis and v, g, beta, the states on the
-value-head axis, so every shard holds whole GVA groups (the HV / H value heads that read one key head). SSD splits
-x, dt, A, D, dt_bias, z and the states on heads; B, C are split on groups when the groups divide evenly over the
-shards, otherwise replicated, each shard slicing out the one group its heads read. The conv splits channels.
+runs the public op (`implementation="xla"` unless one is named or a `config=` picks one) on its heads and the
+outputs, final states and checkpoint states come back sharded on the same axis. GDN / KDA split q, k on the key-head
+axis and v, g, beta, the states on the value-head axis, so every shard holds whole GVA groups (the HV / H value heads
+that read one key head). SSD splits x, dt, A, D, dt_bias, z and the states on heads; B, C are split on groups when
+the groups divide evenly over the shards, otherwise replicated, each shard slicing out the one group its heads read.
+The conv splits channels.
 
 The row metadata is global: `cu_seqlens`, `checkpoint_cu` and `checkpoint_offsets` are validated once on the host
 and replicated (`P()`) to every shard. `checkpoint_method="split"` plans its launches on the host, so there the
@@ -45,6 +46,11 @@ def _metadata(num_tokens: int, cu_seqlens, checkpoint_cu, checkpoint_offsets, ch
         return {}, values
     arrays = {name: jnp.asarray(v, jnp.int32) for name, v in values.items() if v is not None}
     return arrays, {name: v for name, v in values.items() if v is None}
+
+
+def _implementation(implementation, options):
+    """"xla" unless named or picked by a config: the portable path is the one every shard can run."""
+    return "xla" if implementation is None and options.get("config") is None else implementation
 
 
 def _run(mesh, axis: str, body, sharded: dict, specs: dict, replicated: dict, constants: dict):
@@ -89,8 +95,8 @@ def _delta_sharded(op, mesh, q, k, v, g, beta, *, axis, initial_state, cu_seqlen
     specs |= {name: P(axis) for name in per_head}
 
     def body(**arrays):
-        return op(**arrays, **constants, checkpoint_method=checkpoint_method, implementation=implementation,
-                  **options)
+        return op(**arrays, **constants, checkpoint_method=checkpoint_method,
+                  implementation=_implementation(implementation, options), **options)
 
     o, final, ckpt = _run(mesh, axis, body, sharded, specs, replicated, constants)
     return unflatten(o, batch), final, ckpt
@@ -98,7 +104,7 @@ def _delta_sharded(op, mesh, q, k, v, g, beta, *, axis, initial_state, cu_seqlen
 
 def gated_delta_rule_sharded(mesh, q, k, v, g, beta, *, axis="heads", initial_state=None, cu_seqlens=None,
                              checkpoint_cu=None, checkpoint_offsets=None, checkpoint_method="in_chunk",
-                             implementation="xla", **options):
+                             implementation=None, **options):
     """`jaxckpt.ops.gated_delta_rule` with heads split over mesh axis `axis`; same arguments and results.
 
     q, k            # [T, H, K]: split on H (H divisible by the axis size)
@@ -113,7 +119,7 @@ def gated_delta_rule_sharded(mesh, q, k, v, g, beta, *, axis="heads", initial_st
 
 def kda_sharded(mesh, q, k, v, g, beta, *, axis="heads", initial_state=None, cu_seqlens=None, checkpoint_cu=None,
                 checkpoint_offsets=None, A_log=None, dt_bias=None, checkpoint_method="in_chunk",
-                implementation="xla", **options):
+                implementation=None, **options):
     """`jaxckpt.ops.kda` with heads split over mesh axis `axis`, as `gated_delta_rule_sharded`.
 
     g               # [T, HV, K] split on HV; A_log [HV] and dt_bias ([HV, K] or [HV * K], head-major) split likewise
@@ -127,7 +133,7 @@ def kda_sharded(mesh, q, k, v, g, beta, *, axis="heads", initial_state=None, cu_
 
 def ssd_sharded(mesh, x, dt, A, B, C, *, axis="heads", D=None, dt_bias=None, z=None, initial_state=None,
                 cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, checkpoint_method="in_chunk",
-                implementation="xla", **options):
+                implementation=None, **options):
     """`jaxckpt.ops.ssd` with heads split over mesh axis `axis`; same arguments and results.
 
     x               # [T, H, P]; dt [T, H]; A, dt_bias [H]; D [H] or [H, P]; z [T, H, P]: split on H
@@ -156,14 +162,14 @@ def ssd_sharded(mesh, x, dt, A, B, C, *, axis="heads", D=None, dt_bias=None, z=N
             B = jax.lax.dynamic_slice_in_dim(B, group, 1, axis=1)
             C = jax.lax.dynamic_slice_in_dim(C, group, 1, axis=1)
         return ssd(x, dt, A, B, C, **rest, **constants, checkpoint_method=checkpoint_method,
-                   implementation=implementation, **options)
+                   implementation=_implementation(implementation, options), **options)
 
     y, final, ckpt = _run(mesh, axis, body, sharded, specs, replicated, constants)
     return unflatten(y, batch), final, ckpt
 
 
 def causal_conv1d_sharded(mesh, x, weight, bias=None, *, axis="heads", initial_state=None, cu_seqlens=None,
-                          checkpoint_cu=None, checkpoint_offsets=None, implementation="xla", **options):
+                          checkpoint_cu=None, checkpoint_offsets=None, implementation=None, **options):
     """`jaxckpt.ops.causal_conv1d` with channels split over mesh axis `axis`; same arguments and results.
 
     x               # [T, D]; weight [D, W]; bias [D]; initial_state [N, D, W - 1]: split on D
@@ -176,7 +182,8 @@ def causal_conv1d_sharded(mesh, x, weight, bias=None, *, axis="heads", initial_s
     specs = dict(x=P(None, axis), weight=P(axis), bias=P(axis), initial_state=P(None, axis))
 
     def body(x, weight, **rest):
-        return causal_conv1d(x, weight, **rest, **constants, implementation=implementation, **options)
+        return causal_conv1d(x, weight, **rest, **constants, implementation=_implementation(implementation, options),
+                             **options)
 
     y, final, ckpt = _run(mesh, axis, body, sharded, specs, replicated, constants)
     return unflatten(y, batch), final, ckpt

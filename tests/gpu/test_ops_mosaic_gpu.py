@@ -17,7 +17,13 @@ from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
 
-AGREE_TOL = 2e-3  # against the Triton pipeline: same intermediates, TF32 there vs the hi + lo split here
+# against the Triton pipeline: each pipeline rounds its own bf16 intermediates (the Mosaic GPU intra pass has its
+# own inverse and key scaling), so the two differ by the bf16 class: on the H200 KDA's output sat 3.7e-3 from
+# Triton's, each 3.3-3.7e-3 from float64, with one or two terms on the state chain
+AGREE_TOL = BF16_TOL
+# a token counts as misplaced past this fraction of the output's RMS: independent bf16 roundings put single tokens
+# past 1% (H200: 6 of 4096 tokens, worst 1.3e-4 absolute), a dropped or misplaced row is off by its whole magnitude
+TOKEN_TOL = 5e-2
 
 
 def real_case(op, rng, *, lengths=(3000, 1096), offsets=((1, 640, 1000, 2047, 2999), (64, 1095))):
@@ -43,7 +49,7 @@ def test_real_head_size_bf16_against_float64_and_triton(op):
         assert err < BF16_TOL and agree < AGREE_TOL, (name, err, agree)
 
 
-def bad_tokens(actual, expected, cu_seqlens, *, tol=1e-2):
+def bad_tokens(actual, expected, cu_seqlens, *, tol=TOKEN_TOL):
     """Per row, the tokens whose output is off by more than tol (relative, against the whole output's RMS), with
     the value heads and the in-row offsets mod 8 involved (a TMA tile dropping rows shows as a fixed set of
     offsets mod 8); empty when every token agrees."""
@@ -125,11 +131,7 @@ def test_token_layout_output_with_nan_padding(op, state, pieces):
     triton = fn(*bf, g, beta, **meta, implementation="pallas_triton")
     o = np.asarray(got[0], np.float32)
     np.testing.assert_array_equal(o[num_real:], 0, err_msg="padding tokens")
-    # the fused pass forms W and U itself (other roundings than the Triton intra's bf16 W, U): on the H200 one token
-    # of 2089 at one head differed from Triton by 1.03% of the output RMS, while a dropped or misplaced row is off
-    # by about its whole magnitude (results/session6_tests_a_h200.log)
-    tol = 5e-2 if state == "fused" else 1e-2
-    lines = bad_tokens(got[0][:num_real], triton[0][:num_real], meta["cu_seqlens"], tol=tol)
+    lines = bad_tokens(got[0][:num_real], triton[0][:num_real], meta["cu_seqlens"])
     for line in lines:
         print(f"{op} {state} pieces {pieces} o vs pallas_triton: {line}")
     assert not lines

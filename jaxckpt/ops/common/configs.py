@@ -112,8 +112,8 @@ class DeltaPallasMosaicGpuConfig(Config):
     only, "fused" (forms W, U and O inside the state loop: states about 50x more accurate against float64, 1.2-2x
     slower). pieces: each row cut into this many pieces run in parallel and joined exactly by their state maps, or
     "auto" (1 unless the plain pass leaves most SMs idle). state_terms: the state chain's products fed as one 16-bit
-    term each (1, FLA's and jla's precision, the default) or as hi + lo pairs (2: states about 100x more accurate,
-    ~20% more device time for GDN). intra_inverse: the intra pass's (I + A)^-1, "blocked", "split" or "f16" (None:
+    term each (1, FLA's and jla's precision, the default) or as hi + lo pairs (2: states ~1e-6 from float64 instead
+    of the ~2e-3 class, 17-19% more device time for GDN at one row). intra_inverse: the intra pass's (I + A)^-1, "blocked", "split" or "f16" (None:
     the kernel's default, "blocked"). kda_score_parts: KDA's score operands as one fp16 term (1, the default) or hi +
     lo pairs (2). intra_num_warps, num_stages: the gate cumsum launch.
     """

@@ -1,4 +1,5 @@
-"""Public entry of the gated delta rule: `implementation=` switch, batched or packed inputs, decode rows, paged pools."""
+"""Public entry of the gated delta rule: `implementation=` and `config=`, batched or packed inputs, decode rows,
+paged pools."""
 
 from __future__ import annotations
 

@@ -11,17 +11,15 @@ import functools
 import jax
 
 from jaxckpt.ops.common import pallas_mosaic_gpu_delta
-from jaxckpt.ops.common.delta_chunk import check_static
+from jaxckpt.ops.common.delta_backend import gate_reason, run_checked
 
 _STATIC = ("scale", "use_qk_l2norm", "state_layout", "chunk_size", "interpret", *pallas_mosaic_gpu_delta.TUNING_KEYS)
 
 
 def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=None, **tuning) -> str | None:
     """None when `gated_delta_rule` can run these inputs and options, else the reason (for a fallback to XLA)."""
-    if g.ndim != 2:
-        return f"g: expected [T, HV] for GDN, got shape {g.shape}"
-    return pallas_mosaic_gpu_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret,
-                                            cu_seqlens=cu_seqlens, **tuning)
+    return gate_reason(q, g, per_channel_decay=False) or pallas_mosaic_gpu_delta.supports(
+        q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, cu_seqlens=cu_seqlens, **tuning)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -30,34 +28,13 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initi
                      **tuning):
     """Gated delta rule with a scalar log decay per token and value head, exporting checkpoint states.
 
-    q, k                # [T, H, K] bf16 or f16, K in (64, 128); optionally L2-normalized (`use_qk_l2norm`); q is
-                        # multiplied by `scale` (a Python number, default K**-0.5)
-    v                   # [T, HV, V] same dtype, V in (64, 128); HV a multiple of H, value head h reads key head
-                        # h // (HV // H)
-    g                   # [T, HV] log decay (<= 0)
-    beta                # [T, HV]
-    initial_state       # [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk"), any float dtype; None = zeros
-    cu_seqlens          # i32[N + 1]; None = one row over all T tokens
-    checkpoint_cu       # i32[N + 1], CSR with checkpoint_offsets i32[M] (offsets relative to the row start)
-    The metadata arrays may be traced; their values are trusted (validate them with `jaxckpt.plan.conventions`).
-    `chunk_size` 64; `interpret=True` runs the kernels on CPU; `tuning`: see
-    `pallas_mosaic_gpu_delta.delta_rule_mosaic` (state, pieces, intra_inverse, state_terms, intra_num_warps,
-    num_stages; defaults in `pallas_mosaic_gpu_delta.default_tuning`).
-    Unsupported shapes or options raise ValueError with the reason `supports` gives.
-
-    Returns (o [T, HV, V] in v.dtype, final_state fp32 [N, HV, K, V] or [N, HV, V, K], checkpoint_states fp32
-    [M, HV, K, V] or [M, HV, V, K]); the checkpoint at offset p is the state after the row's first p tokens.
-    Padding tokens and padded checkpoint entries give zeros.
+    Arguments, shapes and results as `jaxckpt.ops.gdn.xla.gated_delta_rule` (packed rows; metadata may be traced and
+    its values are trusted); q, k, v in one 16-bit dtype, K and V in (64, 128). `chunk_size` 64; `interpret=True`
+    runs the kernels on CPU; `tuning`: the fields of `jaxckpt.ops.DeltaPallasMosaicGpuConfig` (defaults in
+    `pallas_mosaic_gpu_delta.default_tuning`). Unsupported shapes or options raise ValueError with the reason
+    `supports` gives. Padding tokens and padded checkpoint entries give zeros.
     """
-    check_static(q, k, v, g, beta, per_channel_decay=False, scale=scale, initial_state=initial_state,
-                 cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets,
-                 state_layout=state_layout, chunk_size=chunk_size, checkpoint_method="in_chunk",
-                 state_pass="sequential")
-    reason = supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **tuning)
-    if reason is not None:
-        raise ValueError(reason)
-    return pallas_mosaic_gpu_delta.delta_rule_mosaic(
-        q, k, v, g, beta, per_channel_decay=False, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        initial_state=initial_state, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
-        checkpoint_offsets=checkpoint_offsets, state_layout=state_layout, chunk_size=chunk_size,
-        interpret=interpret, **tuning)
+    return run_checked(pallas_mosaic_gpu_delta.delta_rule_mosaic, supports, q, k, v, g, beta, per_channel_decay=False,
+                       scale=scale, use_qk_l2norm=use_qk_l2norm, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                       checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets, state_layout=state_layout,
+                       chunk_size=chunk_size, interpret=interpret, **tuning)

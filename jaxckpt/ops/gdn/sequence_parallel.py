@@ -5,6 +5,7 @@ the XLA chunked path) runs in parallel, joined by composing the pieces' affine s
 from __future__ import annotations
 
 from jaxckpt.ops.common import sequence_parallel as sp
+from jaxckpt.ops.common.delta_backend import gate_reason
 from jaxckpt.ops.common.delta_chunk import check_static
 
 
@@ -22,9 +23,8 @@ def _bases():
 
 def supports(q, k, v, g, beta, *, chunk_size=64, **options) -> str | None:
     """None when `gated_delta_rule` can run these inputs and options here, else the reason."""
-    if g.ndim != 2:
-        return f"g: expected [T, HV] for GDN, got shape {g.shape}"
-    return sp.resolve(q, k, v, g, beta, chunk_size=chunk_size, options=options, pallas_supports=_pallas_supports)[1]
+    return gate_reason(q, g, per_channel_decay=False) or sp.resolve(
+        q, k, v, g, beta, chunk_size=chunk_size, options=options, pallas_supports=_pallas_supports)[1]
 
 
 def differentiable(q, k, v, g, beta, *, chunk_size=64, **options) -> bool:

@@ -67,19 +67,8 @@ def kda(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None
         checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", A_log=None, dt_bias=None, lower_bound=None):
     """Kimi Delta Attention: the gated delta rule with a log decay per token, value head and key channel, in float64.
 
-    q, k                # [T, H, K]; optionally L2-normalized here (`use_qk_l2norm`); q is multiplied by `scale`
-                        # (default K**-0.5)
-    v                   # [T, HV, V]; HV a multiple of H, value head h reads key head h // (HV // H)
-    g                   # [T, HV, K] raw gate, turned into the log decay by `kda_gate` (A_log, dt_bias, lower_bound)
-    beta                # [T, HV]
-    initial_state       # [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk"); None = zeros
-    cu_seqlens          # i32[N + 1]; None = one row over all T tokens
-    checkpoint_cu       # i32[N + 1], CSR with checkpoint_offsets i32[M] (offsets relative to the row start)
-    Inputs may be float16, bfloat16, float32 or float64; everything is computed in float64.
-
-    Returns (o [T, HV, V], final_state [N, HV, K, V] or [N, HV, V, K], checkpoint_states [M, HV, K, V] or
-    [M, HV, V, K]), float64 numpy. The checkpoint at offset p is the state after the row's first p tokens; padded
-    checkpoint entries and padding tokens give zeros.
+    Arguments and results as `jaxckpt.ops.gdn.reference.gated_delta_rule`, except g [T, HV, K]: the raw gate, turned
+    into the log decay by `kda_gate` (A_log [HV], dt_bias [HV, K] or [HV * K], lower_bound).
     """
     q, k, v, g, beta = check_delta_inputs(q, k, v, g, beta, per_channel_decay=True)
     g = kda_gate(g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)

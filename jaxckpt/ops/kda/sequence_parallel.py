@@ -6,6 +6,7 @@ the math and its rounding class in `jaxckpt/ops/common/README.md`."""
 from __future__ import annotations
 
 from jaxckpt.ops.common import sequence_parallel as sp
+from jaxckpt.ops.common.delta_backend import gate_reason
 from jaxckpt.ops.common.delta_chunk import check_static
 
 
@@ -23,9 +24,8 @@ def _bases():
 
 def supports(q, k, v, g, beta, *, chunk_size=64, **options) -> str | None:
     """None when `kda` can run these inputs and options here, else the reason."""
-    if g.ndim != 3 or g.shape[-1] != q.shape[-1]:
-        return f"g: expected [T, HV, K] for KDA, got shape {g.shape}"
-    return sp.resolve(q, k, v, g, beta, chunk_size=chunk_size, options=options, pallas_supports=_pallas_supports)[1]
+    return gate_reason(q, g, per_channel_decay=True) or sp.resolve(
+        q, k, v, g, beta, chunk_size=chunk_size, options=options, pallas_supports=_pallas_supports)[1]
 
 
 def differentiable(q, k, v, g, beta, *, chunk_size=64, **options) -> bool:
