@@ -40,7 +40,10 @@ def implementation_spec(spec: str, op: str):
             options[key] = ast.literal_eval(value)  # numbers, True / False / None
         except (ValueError, SyntaxError):
             options[key] = value
-    return impl, (SSD_CONFIGS if op == "ssd" else DELTA_CONFIGS)[impl](**options)
+    configs = SSD_CONFIGS if op == "ssd" else DELTA_CONFIGS
+    if impl not in configs:
+        raise ValueError(f"implementation spec {spec!r}: tuning is for one of {sorted(configs)}, got {impl!r}")
+    return impl, configs[impl](**options)
 
 
 def versions() -> dict:

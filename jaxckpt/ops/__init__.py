@@ -11,6 +11,6 @@ from jaxckpt.ops.gdn.api import gated_delta_rule, gated_delta_rule_paged
 from jaxckpt.ops.kda.api import kda, kda_paged
 from jaxckpt.ops.ssd.api import ssd, ssd_paged
 
-__all__ = ["DeltaPallasMosaicGpuConfig", "DeltaPallasTritonConfig", "SequenceParallelConfig", "SsdPallasMosaicGpuConfig",
-           "SsdPallasTritonConfig", "XlaConfig", "causal_conv1d", "causal_conv1d_paged", "gated_delta_rule",
-           "gated_delta_rule_paged", "kda", "kda_paged", "ssd", "ssd_paged"]
+__all__ = ["DeltaPallasMosaicGpuConfig", "DeltaPallasTritonConfig", "SequenceParallelConfig",
+           "SsdPallasMosaicGpuConfig", "SsdPallasTritonConfig", "XlaConfig", "causal_conv1d", "causal_conv1d_paged",
+           "gated_delta_rule", "gated_delta_rule_paged", "kda", "kda_paged", "ssd", "ssd_paged"]

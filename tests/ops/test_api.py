@@ -139,6 +139,10 @@ def test_a_config_for_another_implementation_raises(config, implementation, matc
     (lambda: ops.SsdPallasMosaicGpuConfig(stages=5), "stages: must be one of"),
     (lambda: ops.SequenceParallelConfig(base="xla", base_config=ops.DeltaPallasTritonConfig()), "base_config: a "),
     (lambda: ops.SequenceParallelConfig(piece_cuts="even"), "piece_cuts: must be one of"),
+    (lambda: ops.SequenceParallelConfig(base_config=ops.DeltaPallasTritonConfig(interpret=True)), "base_config: set "
+                                                                                                    "interpret"),
+    (lambda: ops.DeltaPallasMosaicGpuConfig(interpret=1), "interpret: must be a bool or a plgpu.InterpretGPUParams"),
+    (lambda: ops.SsdPallasMosaicGpuConfig(interpret=[True]), "interpret: must be a bool or a plgpu.InterpretGPUParams"),
 ])
 def test_a_config_checks_its_fields_when_built(build, match):
     with pytest.raises(ValueError, match=match):
@@ -158,6 +162,23 @@ def test_a_sequence_parallel_config_passes_its_base_config_on():
     config = ops.SequenceParallelConfig(base_config=ops.XlaConfig(state_pass="sequential"), piece_len=32)
     assert config.options() == dict(base="xla", state_pass="sequential", piece_len=32, piece_cuts="checkpoints",
                                     compose="associative", interpret=False)
+    # interpret is set once, on the outer config, and reaches the Pallas base
+    pallas = ops.SequenceParallelConfig(interpret=True, base_config=ops.DeltaPallasTritonConfig(fuse_output=True))
+    assert pallas.options()["interpret"] is True and pallas.options()["base"] == "pallas_triton"
+
+
+def test_a_mosaic_gpu_config_takes_the_interpreters_settings():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    config = ops.DeltaPallasMosaicGpuConfig(interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert hash(config) == hash(ops.DeltaPallasMosaicGpuConfig(interpret=plgpu.InterpretGPUParams(detect_races=True)))
+
+
+def test_a_kda_only_option_on_a_gdn_call_raises():
+    q, k, v, g, beta = delta_inputs(np.random.default_rng(13), 10, K=16, V=16)
+    with pytest.raises(ValueError, match="kda_block_k tunes KDA's intra pass; this is a GDN call"):
+        ops.gated_delta_rule(q, k, v, g, beta, chunk_size=16,
+                             config=ops.DeltaPallasTritonConfig(interpret=True, kda_block_k=16))
 
 
 def test_supports_gets_cu_seqlens_where_it_names_it(monkeypatch):

@@ -76,6 +76,7 @@ def assert_matches(actual, expected, tol):
     (64, (2, 4), 32, 16, "vk", dict()),
     (32, (1, 2), 16, 16, "kv", dict()),
     (32, (2, 2), 32, 16, "kv", dict(fuse_output=True, block_v=16)),
+    (16, (1, 2), 16, 32, "kv", dict(block_v=16)),  # two V blocks: each stores and exports its own columns
 ])
 def test_gdn_matches_reference(chunk_size, heads, head_k, head_v, layout, tuning):
     rng = np.random.default_rng(11 + chunk_size)

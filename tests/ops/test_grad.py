@@ -223,7 +223,7 @@ def test_the_error_names_the_config_that_picked():
         return entry(False, None, **{**arrays, "q": q}, config=INTERPRET_TRITON)[0]
 
     with pytest.raises(ValueError, match=f"^implementation: the DeltaPallasTritonConfig picked 'pallas_triton', which "
-                                         f"{NOT_DIFFERENTIABLE}"):
+                                         f"{NOT_DIFFERENTIABLE} with an XlaConfig or no config"):
         jax.grad(lambda q: jnp.sum(f(q)))(arrays["q"])
 
 

@@ -92,7 +92,10 @@ def _fla_options(*, per_channel: bool, num_v_heads: int, dim_k: int, device, use
         if not gated:
             raise ValueError("dt_bias: only used with A_log or lower_bound; without them g is the log decay itself")
         _check_parameter("dt_bias", dt_bias, ((num_v_heads, dim_k), (num_v_heads * dim_k,)), device)
-    return dict(options, use_gate_in_kernel=gated, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    # FLA's Triton gate reads A_log and dt_bias by pointer as dense rows
+    dense = lambda t: None if t is None else t.contiguous()  # noqa: E731
+    return dict(options, use_gate_in_kernel=gated, A_log=dense(A_log), dt_bias=dense(dt_bias),
+                lower_bound=lower_bound)
 
 
 class _Inputs:

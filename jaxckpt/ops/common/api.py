@@ -16,6 +16,7 @@ import dataclasses
 import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
@@ -281,7 +282,7 @@ def _named_options(function: Callable, options: Mapping[str, object]) -> dict:
 def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapping[str, object], *, initial_state,
         cu_seqlens, checkpoint_cu, checkpoint_offsets, implementation: str | None, checkpoint_method: str,
         num_decodes: int, decode_step: Callable | None, state_shape: tuple[int, ...], chunk_size: int | None,
-        configs: Mapping[str, type], config=None):
+        configs: Mapping[str, type] = MappingProxyType({}), config=None):
     """One public op call on packed inputs: picks the implementation, peels off leading decode rows, runs.
 
     `arrays` are the per-token inputs by parameter name; `options` the op's other arguments (per-head parameters such
@@ -296,12 +297,12 @@ def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapp
     check_call(next(iter(arrays.values())).shape[0], options, initial_state=initial_state, cu_seqlens=cu_seqlens,
                checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets, num_decodes=num_decodes,
                state_shape=state_shape)
+    named = implementation
+    implementation, tuning = resolve_config(configs, implementation, config)
+    kernel = ({} if chunk_size is None else {"chunk_size": chunk_size}) | tuning
     # all rows, decode rows included: a bound on the prefill rows the kernel gets
     # the chunked paths read "forced_break" (a chunk starts at every checkpoint); the kernels export inside their
     # fixed chunks only, so they decline it rather than run "in_chunk" in its place (the reference has no chunks)
-    named = implementation
-    implementation, tuning = resolve_config(configs, implementation, config)
-    kernel = ({} if chunk_size is None else {"chunk_size": chunk_size}) | tuning  # chunk_size None: no chunks
     forced_break = checkpoint_method == "forced_break" and implementation != "reference"
     choice = choose_implementation(registry, implementation, cu_seqlens=cu_seqlens,
                                    needs={"checkpoint_method": checkpoint_method} if forced_break else {},
@@ -310,9 +311,10 @@ def run(registry: Mapping[str, str], arrays: Mapping[str, object], options: Mapp
     if not choice.differentiable:
         picked = (repr(choice.name) if named else f"None picked {choice.name!r}, which" if config is None
                   else f"the {type(config).__name__} picked {choice.name!r}, which")
+        advice = "implementation=\"xla\"" if config is None else "implementation=\"xla\" with an XlaConfig or no config"
         function = _not_differentiable(function, f"implementation: {picked} is not differentiable (jax.grad, jax.vjp, "
-                                                f"jax.jvp, jax.linearize); pass implementation=\"xla\" to "
-                                                f"differentiate through this op")
+                                                f"jax.jvp, jax.linearize); pass {advice} to differentiate through "
+                                                f"this op")
     first = next(iter(arrays.values()))
     cu, ccu, offsets = host_metadata(first.shape[0], cu_seqlens, checkpoint_cu, checkpoint_offsets)
     if choice.name == "reference":

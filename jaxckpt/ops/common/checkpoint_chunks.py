@@ -18,7 +18,8 @@ def checkpoint_ranges(lay, num_chunks):
 
 
 def checkpoint_segments(lay, checkpoint_cu):
-    """The distinct chunks holding checkpoints, ascending (i32[max(M, 1)]), and each row's range of them (CSR)."""
+    """Each row's range [lo, hi) of the distinct chunks holding checkpoints (i32[N] each), and those chunks ascending
+    (i32[M + 1], zeros past the last)."""
     chunk = lay.checkpoint_chunk
     num_ckpt = chunk.shape[0]
     prev = jnp.concatenate([jnp.full(1, -1, jnp.int32), chunk[:-1]])

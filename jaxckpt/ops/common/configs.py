@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-MAX_MOSAIC_PIECES = 64  # the Mosaic GPU piece scan is unrolled, and N * pieces lanes sit on one grid axis
+# the Mosaic GPU kernels' sequence split: the piece scan is unrolled, and N * pieces lanes sit on one grid axis
+MAX_MOSAIC_PIECES = 64
+MAX_SSD_PIECES = 64
 
 
 def _choice(config, name: str, allowed: tuple) -> None:
@@ -40,6 +42,15 @@ def _positive_int(config, name: str, *, optional: bool = False, power_of_two: bo
 def _bool(config, name: str) -> None:
     if not isinstance(getattr(config, name), bool):
         raise ValueError(f"{name}: must be a bool, got {getattr(config, name)!r}")
+
+
+def _interpret(config) -> None:
+    """Mosaic GPU kernels take a bool or the interpreter's own settings (`plgpu.InterpretGPUParams`)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    value = config.interpret
+    if not isinstance(value, (bool, plgpu.InterpretGPUParams)):
+        raise ValueError(f"interpret: must be a bool or a plgpu.InterpretGPUParams, got {value!r}")
 
 
 def _pieces(config, name: str, most: int) -> None:
@@ -113,9 +124,9 @@ class DeltaPallasMosaicGpuConfig(Config):
     slower). pieces: each row cut into this many pieces run in parallel and joined exactly by their state maps, or
     "auto" (1 unless the plain pass leaves most SMs idle). state_terms: the state chain's products fed as one 16-bit
     term each (1, FLA's and jla's precision, the default) or as hi + lo pairs (2: states ~1e-6 from float64 instead
-    of the ~2e-3 class, 17-19% more device time for GDN at one row). intra_inverse: the intra pass's (I + A)^-1, "blocked", "split" or "f16" (None:
-    the kernel's default, "blocked"). kda_score_parts: KDA's score operands as one fp16 term (1, the default) or hi +
-    lo pairs (2). intra_num_warps, num_stages: the gate cumsum launch.
+    of the ~2e-3 class, 17-19% more device time for GDN at one row). intra_inverse: the intra pass's (I + A)^-1,
+    "blocked", "split" or "f16" (None: the kernel's default, "blocked"). kda_score_parts: KDA's score operands as one
+    fp16 term (1, the default) or hi + lo pairs (2). intra_num_warps, num_stages: the gate cumsum launch.
     """
 
     implementation: ClassVar[str] = "pallas_mosaic_gpu"
@@ -129,6 +140,7 @@ class DeltaPallasMosaicGpuConfig(Config):
     num_stages: int = 2
 
     def __post_init__(self):
+        _interpret(self)
         _choice(self, "state", ("v2", "fused"))
         _pieces(self, "pieces", MAX_MOSAIC_PIECES)
         _choice(self, "state_terms", (1, 2))
@@ -173,7 +185,8 @@ class SsdPallasMosaicGpuConfig(Config):
     stages: int | None = None
 
     def __post_init__(self):
-        _pieces(self, "pieces", 64)
+        _interpret(self)
+        _pieces(self, "pieces", MAX_SSD_PIECES)
         if self.stages is not None:
             _choice(self, "stages", (2, 3, 4))
 
@@ -210,7 +223,7 @@ class SequenceParallelConfig(Config):
             if self.base not in (None, self.base_config.implementation):
                 raise ValueError(f"base_config: a {type(self.base_config).__name__} tunes "
                                  f"{self.base_config.implementation!r}, but base={self.base!r}")
-            if getattr(self.base_config, "interpret", self.interpret) != self.interpret:
+            if getattr(self.base_config, "interpret", False) and not self.interpret:
                 raise ValueError("base_config: set interpret on the SequenceParallelConfig, which passes it on")
         for name in ("piece_len", "target_programs", "min_piece_len"):
             _positive_int(self, name, optional=True)

@@ -61,12 +61,12 @@ from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mosaic_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mosaic_kda_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_split as mosaic_split
 from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+from jaxckpt.ops.common.configs import MAX_MOSAIC_PIECES
 from jaxckpt.plan.layout import max_chunks
 
 CHUNK = 64
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-MAX_PIECES = 64  # the piece scan is unrolled, and N * pieces lanes sit on one grid axis
 STATES = ("v2", "fused")
 TUNING_KEYS = ("intra_num_warps", "num_stages", "state", "pieces", "kda_score_parts", "state_terms", "intra_inverse")
 _CUMSUM_TUNING = ("intra_num_warps", "num_stages")  # the Triton gate cumsum launch (`pallas_triton_delta.prepare`)
@@ -93,8 +93,8 @@ def _state_reason(state, pieces, state_terms=2) -> str | None:
     if state_terms not in (1, 2) or isinstance(state_terms, bool):
         return f"tuning: state_terms must be 1 or 2, got {state_terms!r}"
     if pieces != "auto" and (isinstance(pieces, bool) or not isinstance(pieces, (int, np.integer))
-                             or not 1 <= pieces <= MAX_PIECES):
-        return f"tuning: pieces must be an int in [1, {MAX_PIECES}] or 'auto', got {pieces!r}"
+                             or not 1 <= pieces <= MAX_MOSAIC_PIECES):
+        return f"tuning: pieces must be an int in [1, {MAX_MOSAIC_PIECES}] or 'auto', got {pieces!r}"
     return None
 
 

@@ -251,9 +251,9 @@ def store_zeros(rows_s, dst, start, length):
     store_rows(rows_s, dst, start + length - rest, rest)
 
 
-def landing_pieces(land):
+def landing_pieces(tile):
     """A landing tile's TMA boxes: the whole [C, N] row-major tile, or each 128-byte column piece of a swizzled one."""
-    return [land] if land.ndim == 2 else [land.at[j] for j in range(land.shape[0])]
+    return [tile] if tile.ndim == 2 else [tile.at[j] for j in range(tile.shape[0])]
 
 
 def land(src, tile, bar):
@@ -263,19 +263,19 @@ def land(src, tile, bar):
         plgpu.copy_gmem_to_smem(src.at[:, pl.ds(j * width, width)], piece, bar)
 
 
-def landed_tokens(land, length):
+def landed_tokens(tile, length):
     """The landing tile's rows as fp32 [C, N], rows past the chunk's length zero (`where`: NaN padding stays out)."""
-    x = jnp.concatenate([plgpu.load(piece, layout=WG) for piece in landing_pieces(land)], axis=1).astype(jnp.float32)
+    x = jnp.concatenate([plgpu.load(piece, layout=WG) for piece in landing_pieces(tile)], axis=1).astype(jnp.float32)
     return jnp.where(iota(x.shape, 0) < length, x, 0.0)
 
 
-def store_in_place(land, x, dst):
+def store_in_place(tile, x, dst):
     """x [C, N] -> dst (GMEM) through its (consumed) landing tile, piece by piece."""
-    for j, piece in enumerate(landing_pieces(land)):
+    for j, piece in enumerate(landing_pieces(tile)):
         width = piece.shape[-1]
         piece[...] = x[:, j * width:(j + 1) * width].astype(piece.dtype)
     plgpu.commit_smem()
-    for j, piece in enumerate(landing_pieces(land)):
+    for j, piece in enumerate(landing_pieces(tile)):
         width = piece.shape[-1]
         plgpu.copy_smem_to_gmem(piece, dst.at[:, pl.ds(j * width, width)])
 

@@ -74,6 +74,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxckpt.ops.common import device
 from jaxckpt.ops.common.checkpoint_chunks import checkpoint_chunk_ranks, checkpoint_segments
 from jaxckpt.ops.common.log_decay import floor_log_decay, split_cumsum
 from jaxckpt.ops.common.pallas_triton_tiles import CumsumRefs, Dots, row_mask
@@ -118,7 +119,7 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
     bk = tuning.get("kda_block_k")
     if bk is not None and (not _is_pow2(bk) or not SUB <= bk <= min(head_k, head_v)):
         return f"tuning: kda_block_k must be a power of two in [{SUB}, min(K, V)={min(head_k, head_v)}], got {bk!r}"
-    if not interpret and jax.default_backend() != "gpu":
+    if not interpret and not device.is_gpu():
         return f"backend: the Triton kernels need a GPU (or interpret=True), got {jax.default_backend()!r}"
     return None
 
@@ -422,7 +423,7 @@ def _kda_solve_kernel(start_ref, len_ref, k_ref, v_ref, beta_ref, *refs, chunk, 
         _kda_solve_row_block(ck, I, A, T, w_ref, u_ref, head_k=head_k, head_v=head_v, dots=dots)
 
 
-def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkpoints, fused, split, dots):
+def _state_kernel(*refs, chunk, channel, block_v, has_initial, has_checkpoints, fused, split, dots):
     refs = list(refs)
     take = lambda count: [refs.pop(0) for _ in range(count)]
     cu_ref, first_ref, count_ref = take(3)
@@ -488,32 +489,12 @@ def _state_kernel(*refs, chunk, group, channel, block_v, has_initial, has_checkp
     final_ref[n, h, :, cols] = S
 
 
-def _checkpoints_in_chunk(base, count, pos_ref, ckpt_ref, S, k_c, G_c, v_new, *, h, cols, rows, channel, dots):
-    """Checkpoints [base, base + count) inside one chunk: exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T.
-
-    S is the chunk-entry state, k_c [C, K] fp32, G_c [C(, K)], v_new [C, BV] fp32; r = 0 gives S exactly.
-    """
-    def step(m, carry):
-        r = pos_ref[m]
-        G_r = G_c.map(lambda x: _pick_row(x, rows, r - 1))  # r = 0: G_r = 0, no rows below: the state is S itself
-        before = (rows < r)[:, None] if channel else rows < r
-        if channel:
-            k_r = k_c * _decay(G_r.map(lambda x: x[None, :]), G_c, before, channel=True)
-            state = G_r.exp()[:, None] * S
-        else:
-            k_r = k_c * _exp(jnp.where(before, G_r.gap(G_c), -jnp.inf))[:, None]
-            state = G_r.exp() * S
-        ckpt_ref[m, h, :, cols] = state + dots.exact(k_r, v_new, _TN)
-        return carry
-
-    jax.lax.fori_loop(base, base + count, step, 0)
-
-
 def _checkpoint_kernel(valid_ref, ck_chunk_ref, ck_pos_ref, start_ref, len_ref, entry_slot_ref, k_ref, *refs, chunk,
                        group, channel, block_v, split, dots):
-    """Grid (checkpoint, value head, V block): v_new of the checkpoint's chunk again from the fp32 entry state the
-    state pass stored (entry_slot: the chunk's rank among the distinct checkpoint chunks; the same product as the
-    state pass), then `_checkpoints_in_chunk` for this one entry."""
+    """Grid (checkpoint, value head, V block): from the fp32 entry state S of the checkpoint's chunk (stored by the
+    state pass at entry_slot, the chunk's rank among the distinct checkpoint chunks), v_new of the chunk again (the
+    state pass's product) and the state after r tokens of it, exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i
+    v_new_i^T in fp32 (r = 0 gives S exactly)."""
     refs = list(refs)
     G_ref = CumsumRefs.pop(refs, split)
     w_ref, u_ref, entry_ref, ckpt_ref = refs
@@ -525,11 +506,20 @@ def _checkpoint_kernel(valid_ref, ck_chunk_ref, ck_pos_ref, start_ref, len_ref, 
     def _():
         c = ck_chunk_ref[m]
         S = entry_ref[entry_slot_ref[m], h, :, cols]
-        v_new = u_ref[h, c, :, cols].astype(_F32) - dots.exact(w_ref[h, c], S)
+        v_new = u_ref[h, c, :, cols].astype(_F32) - dots.exact(w_ref[h, c], S)  # [C, BV]
         k_c = _load_tokens(k_ref.at[pl.ds(start_ref[c], chunk), h // group, :], rows, len_ref[c],
-                           (chunk, k_ref.shape[-1]))
-        _checkpoints_in_chunk(m, 1, ck_pos_ref, ckpt_ref, S, k_c, G_ref[h, c], v_new, h=h, cols=cols, rows=rows,
-                              channel=channel, dots=dots)
+                           (chunk, k_ref.shape[-1]))  # [C, K] fp32
+        G_c = G_ref[h, c]
+        r = ck_pos_ref[m]
+        G_r = G_c.map(lambda x: _pick_row(x, rows, r - 1))  # r = 0: G_r = 0, no rows below: the state is S itself
+        before = (rows < r)[:, None] if channel else rows < r
+        if channel:
+            k_r = k_c * _decay(G_r.map(lambda x: x[None, :]), G_c, before, channel=True)
+            state = G_r.exp()[:, None] * S
+        else:
+            k_r = k_c * _exp(jnp.where(before, G_r.gap(G_c), -jnp.inf))[:, None]
+            state = G_r.exp() * S
+        ckpt_ref[m, h, :, cols] = state + dots.exact(k_r, v_new, _TN)
 
 
 def _output_kernel(start_ref, len_ref, qg_ref, aqk_ref, h_ref, vnew_ref, o_ref, *, chunk, block_v, dots):
@@ -743,7 +733,6 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     num_rows = p.cu_seqlens.shape[0] - 1
     num_ckpt = lay.checkpoint_pos.shape[0]
     num_chunks = lay.chunk_len.shape[0]
-    ck_pos = jnp.concatenate([lay.checkpoint_pos, jnp.zeros(1, jnp.int32)])  # never empty
 
     full = pl.BlockSpec()
     params = functools.partial(plt.CompilerParams, num_stages=num_stages)
@@ -768,10 +757,9 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     seq_outputs = (o_shape,) if fuse_output else (
         jax.ShapeDtypeStruct((num_v_heads, num_chunks, *kv), io_dtype), chunk_array(head_v))
     *seq, final_state, checkpoint_states = pl.pallas_call(
-        functools.partial(_state_kernel, chunk=chunk, group=group, channel=channel, block_v=block_v,
+        functools.partial(_state_kernel, chunk=chunk, channel=channel, block_v=block_v,
                           has_initial=init is not None, has_checkpoints=num_ckpt > 0, fused=fuse_output,
-                          split=p.G_lo is not None,
-                          dots=dots),
+                          split=p.G_lo is not None, dots=dots),
         out_shape=(*seq_outputs, final_shape, ckpt_shape),
         grid=state_grid, in_specs=[full] * len(state_inputs), out_specs=(full,) * (len(seq_outputs) + 2),
         compiler_params=params(num_warps=num_warps), interpret=interpret, name="delta_state",
@@ -783,8 +771,8 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
             out_shape=ckpt_shape, grid=(num_ckpt, num_v_heads, head_v // block_v), in_specs=[full] * (10 + len(gates)),
             out_specs=full, compiler_params=params(num_warps=num_warps), interpret=interpret,
             name="delta_checkpoints",
-        )(lay.checkpoint_valid.astype(jnp.int32), lay.checkpoint_chunk, ck_pos, lay.chunk_start, lay.chunk_len,
-          checkpoint_chunk_ranks(lay), k, *gates, w, u, checkpoint_states)
+        )(lay.checkpoint_valid.astype(jnp.int32), lay.checkpoint_chunk, lay.checkpoint_pos, lay.chunk_start,
+          lay.chunk_len, checkpoint_chunk_ranks(lay), k, *gates, w, u, checkpoint_states)
     if fuse_output:
         (o,) = seq
     else:

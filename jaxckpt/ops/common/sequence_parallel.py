@@ -36,13 +36,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
+from jaxckpt.ops.common import device
 from jaxckpt.ops.common.xla_arrays import packed_metadata
 from jaxckpt.plan.layout import chunk_layout, searchsorted
 
 PIECE_CUTS = ("checkpoints", "snap", "grid")
 COMPOSE = ("associative", "sequential")
 CORRECTIONS = ("pallas", "xla")
-# kernel options this implementation takes itself (everything else goes to the base implementation)
+# the SequenceParallelConfig fields this implementation takes itself (the rest are its base config's)
 OPTION_KEYS = ("base", "piece_len", "target_programs", "min_piece_len", "piece_cuts", "compose", "correction",
                "interpret")
 DEFAULT_TARGET_PROGRAMS = 1024   # programs of the base state pass to aim for (H200: 132 SMs, several per SM)
@@ -396,7 +397,7 @@ def resolve(q, k, v, g, beta, *, chunk_size, options, pallas_supports: Callable)
     correction = own.get("correction") or ("pallas" if base == "pallas_triton" and pow2_v else "xla")
     if correction == "pallas" and not (pow2_v and _is_tile(head_k)):
         return None, f"correction: 'pallas' needs K and V powers of two >= 16, got K={head_k}, V={head_v}"
-    if correction == "pallas" and not interpret and jax.default_backend() != "gpu":
+    if correction == "pallas" and not interpret and not device.is_gpu():
         return None, f"correction: 'pallas' needs a GPU (or interpret=True), got {jax.default_backend()!r}"
     base_options = dict(tuning)
     if base == "pallas_triton":

@@ -16,7 +16,7 @@ def _prepare(x, weight, bias, activation, cu_seqlens, implementation):
     (x,), cu_seqlens, batch = flatten_batch([x], cu_seqlens, packed_ndim=2, name="x")
     options = dict(weight=weight, bias=bias, activation=activation)
     run_options = dict(implementation=implementation, checkpoint_method="in_chunk", num_decodes=0, decode_step=None,
-                       state_shape=(x.shape[-1], weight.shape[-1] - 1), chunk_size=None, configs={})
+                       state_shape=(x.shape[-1], weight.shape[-1] - 1), chunk_size=None)
     return dict(x=x), options, cu_seqlens, batch, run_options
 
 

@@ -16,6 +16,8 @@ _STATIC = ("scale", "use_qk_l2norm", "state_layout", "chunk_size", "interpret", 
 
 def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> str | None:
     """None when `gated_delta_rule` can run these inputs and options, else the reason (for a fallback to XLA)."""
+    if tuning.get("kda_block_k") is not None:
+        return "tuning: kda_block_k tunes KDA's intra pass; this is a GDN call"
     return gate_reason(q, g, per_channel_decay=False) or pallas_triton_delta.supports(
         q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **tuning)
 

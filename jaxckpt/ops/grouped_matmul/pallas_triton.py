@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxckpt.ops.common import device
+
 _F32 = jnp.float32
 _I32 = jnp.int32
 _NN = ((1,), (0,))  # a @ b
@@ -285,7 +287,7 @@ _differentiable.defvjp(_fwd, _bwd)
 
 def supports(lhs, rhs, *, interpret=False) -> str | None:
     """None when this backend runs the call, else the reason it cannot."""
-    if not interpret and jax.default_backend() != "gpu":
+    if not interpret and not device.is_gpu():
         return f"backend: the Triton kernel needs a GPU (or interpret=True), got {jax.default_backend()!r}"
     if jnp.dtype(lhs.dtype) not in DTYPES:
         return f"lhs: dtype must be one of bfloat16, float16, float32 for pallas_triton, got {lhs.dtype}"

@@ -92,6 +92,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxckpt.ops.common import device
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges
+from jaxckpt.ops.common.configs import MAX_SSD_PIECES
 from jaxckpt.ops.common.log_decay import floor_log_decay
 from jaxckpt.ops.common.pallas_mosaic_gpu_split import split_lanes
 from jaxckpt.ops.common.xla_arrays import check_ssd_inputs, packed_metadata, ssd_delta, ssd_initial_state
@@ -124,8 +125,8 @@ def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, cu_seqlens=
     if unknown:
         return f"tuning: unknown options {unknown}, expected some of {TUNING_KEYS}"
     pieces = tuning.get("pieces", "auto")
-    if pieces != "auto" and not (isinstance(pieces, (int, np.integer)) and 1 <= pieces <= 64):
-        return f"pieces: must be 'auto' or an int in [1, 64], got {pieces!r}"
+    if pieces != "auto" and not (isinstance(pieces, (int, np.integer)) and 1 <= pieces <= MAX_SSD_PIECES):
+        return f"pieces: must be 'auto' or an int in [1, {MAX_SSD_PIECES}], got {pieces!r}"
     if tuning.get("stages") not in (None, 2, 3, 4):
         return f"stages: must be 2, 3 or 4, got {tuning['stages']!r}"
     if chunk_size != CHUNK:

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxckpt.ops.common import device
 from jaxckpt.ops.common.log_decay import floor_log_decay, split_cumsum
 from jaxckpt.ops.common.pallas_triton_tiles import CumsumRefs, Dots, row_mask
 from jaxckpt.ops.common.xla_arrays import check_ssd_inputs, packed_metadata, ssd_delta, ssd_initial_state
@@ -77,7 +78,7 @@ def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, **tuning) -
     for name, array in (("x", x), ("dt", dt), ("B", B), ("C", C)):
         if array.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
             return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {array.dtype}"
-    if not interpret and jax.default_backend() != "gpu":
+    if not interpret and not device.is_gpu():
         return f"backend: the Triton kernels need a GPU (or interpret=True), got {jax.default_backend()!r}"
     return None
 
