@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from jaxckpt import ops
+from jaxckpt.ops.common import configs
 from jaxckpt.ops.common import pallas_mosaic_gpu_delta as mosaic_delta
 from jaxckpt.ops.common import pallas_mosaic_gpu_split as split
 from jaxckpt.ops.common import pallas_mosaic_gpu_state as lanes_kernel
@@ -274,7 +275,7 @@ def test_tuning_checks():
     assert ok(state="fused", pieces=3) is None and ok(state="fused", pieces="auto", num_stages=3) is None
     assert ok(state="v2", pieces=4) is None and ok(state="v2", pieces="auto") is None
     assert "state must be one of" in ok(state="v3") and "state must be one of" in ok(state="v1")
-    for bad in (0, -2, 2.0, True, "4", mosaic_delta.MAX_PIECES + 1):
+    for bad in (0, -2, 2.0, True, "4", configs.MAX_MOSAIC_PIECES + 1):
         assert "pieces must be an int in [1, 64] or 'auto'" in ok(state="v2", pieces=bad), bad
     # None: the default
     assert ok(state=None, pieces=None, intra_inverse=None) is None and ok(pieces=np.int32(2)) is None
