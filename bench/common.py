@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
 import numpy as np
 
 SCHEMA = 1

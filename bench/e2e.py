@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib
 import sys
 import time
 import traceback
@@ -73,9 +72,11 @@ def recorded_choices():
     The library hands its `Choice` only to the op entry that asked for it, so the chooser is wrapped while tracing.
     """
     from jaxckpt.ops.common import api
+    from jaxckpt.ops.conv1d.api import REGISTRY as CONV1D
+    from jaxckpt.ops.delta_rule.api import GDN_REGISTRY, KDA_REGISTRY
+    from jaxckpt.ops.ssd.api import REGISTRY as SSD
 
-    names = {id(importlib.import_module(f"jaxckpt.ops.{op}.api").REGISTRY): op
-             for op in ("gdn", "kda", "ssd", "conv1d")}
+    names = {id(GDN_REGISTRY): "gdn", id(KDA_REGISTRY): "kda", id(SSD): "ssd", id(CONV1D): "conv1d"}
     choose, log = api.choose_implementation, []
 
     def chooser(registry, implementation, **call):

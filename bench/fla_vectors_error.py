@@ -22,11 +22,10 @@ from tests.vectors.loader import TOLERANCES, load_cases, measure_case
 
 def _fla_outputs(op, case):
     import torch
-
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.kda import chunk_kda
 
-    from jaxckpt.ops.kda.reference import kda_gate
+    from jaxckpt.ops.delta_rule.reference import kda_gate
 
     a = case.arguments
     cu = np.asarray(a["cu_seqlens"]) if a.get("cu_seqlens") is not None else np.array([0, a["q"].shape[0]])

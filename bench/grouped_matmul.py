@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 
 from bench.common import Recorder, jax_pipelined, jax_time, kernel_times, out_dir, torch_time  # noqa: E402
 
+
 def routing_sizes(rng, tokens: int, experts: int, top_k: int) -> np.ndarray:
     """i32[E]: pairs per expert when every token picks top_k distinct experts uniformly."""
     picks = np.argpartition(rng.random((tokens, experts), dtype=np.float32), top_k, axis=1)[:, :top_k]

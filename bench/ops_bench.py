@@ -15,10 +15,19 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from bench.cases import (DELTA_SHAPES, HELD_OUT, MODES, SSD_SHAPES, TINY_DELTA, TINY_SSD, VARLEN_MIX,  # noqa: E402
-                         checkpoint_lists, delta_inputs, ssd_inputs)
-from bench.common import (Recorder, attempt, implementation_spec, jax_device_fields, jax_time, out_dir,  # noqa: E402
-                          torch_time)
+from bench.cases import (  # noqa: E402
+    DELTA_SHAPES,
+    HELD_OUT,
+    MODES,
+    SSD_SHAPES,
+    TINY_DELTA,
+    TINY_SSD,
+    VARLEN_MIX,
+    checkpoint_lists,
+    delta_inputs,
+    ssd_inputs,
+)
+from bench.common import Recorder, attempt, implementation_spec, jax_device_fields, jax_time, out_dir, torch_time  # noqa: E402
 
 DEVICE_TIME = False  # --device-time
 
@@ -85,7 +94,6 @@ def bench_ours_delta(rec, kind, impl, lengths, H, D, shape_label, modes, *, HV=N
 
 def bench_fla_delta(rec, kind, lengths, H, D, shape_label, batched, *, HV=None):
     import torch
-
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.kda import chunk_kda
 

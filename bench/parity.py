@@ -32,7 +32,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.cases import DELTA_SHAPES, checkpoint_lists, delta_inputs  # noqa: E402
-from bench.common import Recorder, attempt, environment, implementation_spec, out_dir, rel_rms, torch_time  # noqa: E402
+from bench.common import Recorder, environment, implementation_spec, out_dir, rel_rms, torch_time  # noqa: E402
 
 
 def bf16_round(a):
@@ -101,7 +101,7 @@ def attempt(results, op, path, run, expected, ccu, offsets):
         print(f"  {op:<4} {path:<32} FAILED {type(error).__name__}", flush=True)
 
 
-# the Mosaic GPU backend's defaults (`pallas_mosaic_gpu_delta.default_tuning`) and its options
+# the Mosaic GPU backend's defaults (`delta_rule.pallas_mosaic_gpu.pipeline.default_tuning`) and its options
 MOSAIC_GPU_ROWS = {
     "gdn": ("pallas_mosaic_gpu", "pallas_mosaic_gpu@state_terms=2", "pallas_mosaic_gpu@state=fused",
             "pallas_mosaic_gpu@state=fused,pieces=2", "pallas_mosaic_gpu@state=fused,state_terms=2"),
@@ -117,8 +117,8 @@ def parity(ops_to_run=("gdn", "kda", "ssd"), mosaic_rows=None) -> list[dict]:
     import torch
 
     from jaxckpt import ops
-    from jaxckpt.ops.gdn.reference import gated_delta_rule as gdn_reference
-    from jaxckpt.ops.kda.reference import kda as kda_reference
+    from jaxckpt.ops.delta_rule.reference import gated_delta_rule as gdn_reference
+    from jaxckpt.ops.delta_rule.reference import kda as kda_reference
     from jaxckpt.ops.ssd.reference import ssd as ssd_reference
     from torch_bridge import interop
     from torch_bridge.ops import fla_prefill
@@ -227,11 +227,10 @@ def parity_markdown(payload: dict) -> str:
 
 def timing(recorder: Recorder) -> None:
     import torch
-
-    from torch_bridge.ops import fla_prefill
-
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.kda import chunk_kda
+
+    from torch_bridge.ops import fla_prefill
 
     for kind in ("gdn", "kda"):
         fla = chunk_gated_delta_rule if kind == "gdn" else chunk_kda

@@ -60,7 +60,7 @@ def bench_shape(rec, kind, lengths, H, D, label, modes, variants, interpret, che
     import jax.numpy as jnp
 
     from jaxckpt import ops
-    from jaxckpt.ops.common.sequence_parallel import choose_piece_len
+    from jaxckpt.ops.delta_rule.sequence_parallel import choose_piece_len
 
     fn = ops.gated_delta_rule if kind == "gdn" else ops.kda
     q, k, v, g, beta, h0, cu = delta_inputs(lengths, H, D, kind)

@@ -27,10 +27,17 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from jaxckpt.plan.conventions import (NULL_SLOT, check_int_array, map_vllm_slots, validate_checkpoints,
-                                      validate_cu_seqlens, validate_slots)
+from jaxckpt.plan.conventions import (
+    NULL_SLOT,
+    check_int_array,
+    map_vllm_slots,
+    validate_checkpoints,
+    validate_cu_seqlens,
+    validate_slots,
+)
 
 _METADATA = ("cu_seqlens", "checkpoint_cu", "checkpoint_offsets")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def share_gpu_with_jax() -> bool:
@@ -113,6 +120,18 @@ def host_metadata(num_tokens: int, cu_seqlens, checkpoint_cu, checkpoint_offsets
     return cu, ccu, offsets
 
 
+def check_float_tensor(t, device: torch.device, *, name: str, device_of: str) -> torch.Tensor:
+    """`t` if it is a float32, float16 or bfloat16 torch tensor on `device`, else a ValueError naming `name`;
+    `device_of` names the argument `device` was taken from, for the device error."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, expected the device of {device_of} ({device})")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}: dtype must be float32, float16 or bfloat16, got {t.dtype}")
+    return t
+
+
 def check_devices(tensors: dict, device: torch.device) -> None:
     """Every torch tensor in `tensors` must live on `device`."""
     for name, value in tensors.items():
@@ -159,7 +178,7 @@ def check_pool(state_pool, state_shape: tuple, device: torch.device, *, name: st
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(state_pool).__name__}")
     if state_pool.device != device:
         raise ValueError(f"{name}: on {state_pool.device}, expected {device} like the inputs")
-    if state_pool.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if state_pool.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{name}: dtype must be float32, float16 or bfloat16, got {state_pool.dtype}")
     if tuple(state_pool.shape[1:]) != tuple(state_shape):
         raise ValueError(f"{name}: expected [S, {', '.join(map(str, state_shape))}], got shape "

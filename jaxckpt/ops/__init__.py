@@ -7,8 +7,7 @@ each implementation's tuning is a typed config (`config=`), which also picks the
 from jaxckpt.ops.common.configs import (DeltaPallasMosaicGpuConfig, DeltaPallasTritonConfig, SequenceParallelConfig,
                                        SsdPallasMosaicGpuConfig, SsdPallasTritonConfig, XlaConfig)
 from jaxckpt.ops.conv1d.api import causal_conv1d, causal_conv1d_paged
-from jaxckpt.ops.gdn.api import gated_delta_rule, gated_delta_rule_paged
-from jaxckpt.ops.kda.api import kda, kda_paged
+from jaxckpt.ops.delta_rule.api import gated_delta_rule, gated_delta_rule_paged, kda, kda_paged
 from jaxckpt.ops.ssd.api import ssd, ssd_paged
 
 __all__ = ["DeltaPallasMosaicGpuConfig", "DeltaPallasTritonConfig", "SequenceParallelConfig",

@@ -21,8 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxckpt.ops.common.api import flatten_batch, host_metadata, unflatten
 from jaxckpt.ops.conv1d.api import causal_conv1d
-from jaxckpt.ops.gdn.api import gated_delta_rule
-from jaxckpt.ops.kda.api import kda
+from jaxckpt.ops.delta_rule.api import gated_delta_rule, kda
 from jaxckpt.ops.ssd.api import ssd
 
 _METADATA = ("cu_seqlens", "checkpoint_cu", "checkpoint_offsets")

@@ -52,6 +52,30 @@ def check_dt_limit(dt_limit) -> tuple[float, float] | None:
     return lo, hi
 
 
+LOWER_BOUND_RANGE = (-5.0, 0.0)  # KDA's bounded gate (FLA's "safe gate"): lower_bound in [-5, 0)
+
+
+def check_kda_gate(g, *, A_log=None, dt_bias=None, lower_bound=None) -> None:
+    """The KDA gate's rules (`jaxckpt.ops.delta_rule.reference.kda_gate`): g [T, HV, K]; A_log [HV]; dt_bias [HV, K]
+    or flat [HV * K], only with A_log or lower_bound; lower_bound a number in `LOWER_BOUND_RANGE`."""
+    if g.ndim != 3:
+        raise ValueError(f"g: expected [T, HV, K], got shape {tuple(g.shape)}")
+    _, num_v_heads, head_k = g.shape
+    if lower_bound is not None:
+        low, high = LOWER_BOUND_RANGE
+        if isinstance(lower_bound, (bool, np.bool_)) or not isinstance(lower_bound, numbers.Real) \
+                or not low <= lower_bound < high:
+            raise ValueError(f"lower_bound: must be a number in [{low:g}, {high:g}), got {lower_bound!r}")
+    if dt_bias is not None:
+        if A_log is None and lower_bound is None:
+            raise ValueError("dt_bias: only used with A_log or lower_bound; without them g is the log decay itself")
+        if tuple(dt_bias.shape) not in ((num_v_heads, head_k), (num_v_heads * head_k,)):
+            raise ValueError(f"dt_bias: expected [HV, K] = {(num_v_heads, head_k)} or [HV * K] = "
+                             f"({num_v_heads * head_k},), got shape {tuple(dt_bias.shape)}")
+    if A_log is not None and tuple(A_log.shape) != (num_v_heads,):
+        raise ValueError(f"A_log: expected [HV] = ({num_v_heads},), got shape {tuple(A_log.shape)}")
+
+
 class DeltaDims(NamedTuple):
     num_tokens: int
     num_heads: int

@@ -52,7 +52,7 @@ def delta_case(op, rng, lengths, offsets, **options):
 def entries(op):
     """(the public entry, the float64 reference) of GDN or KDA."""
     from jaxckpt import ops
-    from jaxckpt.ops.gdn.reference import gated_delta_rule as gdn_ref
-    from jaxckpt.ops.kda.reference import kda as kda_ref
+    from jaxckpt.ops.delta_rule.reference import gated_delta_rule as gdn_ref
+    from jaxckpt.ops.delta_rule.reference import kda as kda_ref
 
     return (ops.gated_delta_rule, gdn_ref) if op == "gdn" else (ops.kda, kda_ref)

@@ -1,8 +1,8 @@
-"""The fused GDN pass (`pallas_mosaic_gpu_gdn_fused`) on an H100/H200 at real sizes: against float64 and against the
-unfused Mosaic GPU pipeline (`gdn_intra` + `pallas_mosaic_gpu_state.state_pass_v2`), whose error it must not exceed;
-varlen rows off the 8-row TMA grid with NaN padding; map_mode consistent with the plain lanes. This is where the
-tensor-core rounding, the register-A wgmma path and the TMA addressing are checked (the CPU interpreter sees none
-of them: tests/ops/test_pallas_mosaic_gpu_gdn_fused.py).
+"""The fused GDN pass (`delta_rule.pallas_mosaic_gpu.gdn_fused`) on an H100/H200 at real sizes: against float64 and
+against the unfused Mosaic GPU pipeline (`gdn_intra` + `delta_rule.pallas_mosaic_gpu.state.state_pass_v2`), whose error
+it must not exceed; varlen rows off the 8-row TMA grid with NaN padding; map_mode consistent with the plain lanes. This
+is where the tensor-core rounding, the register-A wgmma path and the TMA addressing are checked (the CPU interpreter
+sees none of them: tests/ops/test_pallas_mosaic_gpu_gdn_fused.py).
 
 Run on the GPU machine:
 `JAXCKPT_GPU_TESTS=1 JAX_PLATFORMS=cuda python -m pytest -q -s tests/gpu/test_mosaic_gpu_gdn_fused.py`.
@@ -10,6 +10,7 @@ Run on the GPU machine:
 
 import numpy as np
 import pytest
+
 from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
@@ -41,21 +42,21 @@ def make_case(seed, lengths, offsets, *, heads, group, padding=0, mild=False):
 
 def run(pipeline, x, meta, init, kkt_inverse="f16"):
     """(o of the real tokens, final states, checkpoints) of "fused" (`gdn_fused_pass`, `gdn_kkt` with kkt_inverse) or
-    "unfused" (`gdn_intra` + `pallas_mosaic_gpu_state.state_pass_v2`) from `prepare`, on the GPU; o in token order,
-    its padding tokens exactly zero."""
+    "unfused" (`gdn_intra` + `delta_rule.pallas_mosaic_gpu.state.state_pass_v2`) from `prepare`, on the GPU; o in token
+    order, its padding tokens exactly zero."""
     import jax
     import jax.numpy as jnp
 
-    from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as fused
-    from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mgi
-    from jaxckpt.ops.common import pallas_mosaic_gpu_state as mgs
-    from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+    from jaxckpt.ops.delta_rule import cumsum
+    from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import gdn_fused as fused
+    from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import intra as mgi
+    from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import state as mgs
 
     cu, ck_cu, ck_off = (jnp.asarray(meta[name]) for name in ("cu_seqlens", "checkpoint_cu", "checkpoint_offsets"))
 
     @jax.jit
     def call(x, init):
-        p = triton_delta.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], per_channel_decay=False, scale=None,
+        p = cumsum.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], per_channel_decay=False, scale=None,
                                  use_qk_l2norm=False, cu_seqlens=cu, checkpoint_cu=ck_cu, checkpoint_offsets=ck_off,
                                  chunk_size=64, interpret=False)
         lay = p.lay
@@ -76,7 +77,7 @@ def run_pipelines(x, meta, init, kkt_inverse="f16"):
     """(fused, unfused, float64): each (o of the real tokens, final states, checkpoints)."""
     import jax.numpy as jnp
 
-    from jaxckpt.ops.gdn.reference import gated_delta_rule as gdn_reference
+    from jaxckpt.ops.delta_rule.reference import gated_delta_rule as gdn_reference
 
     num_real = int(meta["cu_seqlens"][-1])
     args = [np.asarray(jnp.asarray(x[name], jnp.float32))[:num_real] for name in ("q", "k", "v", "g", "beta")]
@@ -109,15 +110,15 @@ def test_real_shape_against_float64_and_unfused(mild, kkt_inverse):
 
 def test_kkt_blocked_inverse_against_float64():
     # T0 of every chunk with the substitution ("blocked") and with the doubling ("f16"): both in the fp16 class
-    # against a float64 inverse of the masked chunk (module docstring of pallas_mosaic_gpu_intra: ~1e-3 of max |T0|)
+    # against a float64 inverse of the masked chunk (module docstring of delta_rule.pallas_mosaic_gpu.intra: ~1e-3 of max |T0|)
     import jax
     import jax.numpy as jnp
 
-    from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as fused
-    from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+    from jaxckpt.ops.delta_rule import cumsum
+    from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import gdn_fused as fused
 
     x, meta, _ = make_case(11, [3000, 1, 1189], [np.array([], np.int64)] * 3, heads=2, group=2, padding=2)
-    p = triton_delta.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], per_channel_decay=False, scale=None,
+    p = cumsum.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], per_channel_decay=False, scale=None,
                              use_qk_l2norm=False, cu_seqlens=jnp.asarray(meta["cu_seqlens"]), checkpoint_cu=None,
                              checkpoint_offsets=None, chunk_size=64, interpret=False)
     lay = p.lay
@@ -159,11 +160,11 @@ def test_map_mode_matches_plain_lanes():
     import jax
     import jax.numpy as jnp
 
-    from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as fused
-    from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+    from jaxckpt.ops.delta_rule import cumsum
+    from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import gdn_fused as fused
 
     x, meta, init = make_case(3, [4096, 1500], [np.array([], np.int64)] * 2, heads=4, group=2, mild=True)
-    p = triton_delta.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], per_channel_decay=False, scale=None,
+    p = cumsum.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], per_channel_decay=False, scale=None,
                              use_qk_l2norm=False, cu_seqlens=jnp.asarray(meta["cu_seqlens"]), checkpoint_cu=None,
                              checkpoint_offsets=None, chunk_size=64, interpret=False)
     lay = p.lay

@@ -35,7 +35,7 @@ def test_real_shape_against_triton_and_float64(dtype, num_heads, group, tol, tun
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mgi
+    from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import intra as mgi
     from tests.ops.test_pallas_mosaic_gpu_intra import check_outputs, run_both
 
     assert jax.default_backend() == "gpu"

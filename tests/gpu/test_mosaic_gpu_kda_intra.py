@@ -31,7 +31,7 @@ def test_real_shape_against_triton_and_float64(dtype, strong, tuning, tol):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mki
+    from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import kda_intra as mki
     from tests.ops.test_pallas_mosaic_gpu_kda_intra import OUTPUTS, check_outputs, run_all
 
     assert jax.default_backend() == "gpu"

@@ -1,4 +1,4 @@
-"""The Mosaic GPU state pass (`pallas_mosaic_gpu_state`) at real sizes on an H100/H200 (K = V = 128,
+"""The Mosaic GPU state pass (`delta_rule.pallas_mosaic_gpu.state`) at real sizes on an H100/H200 (K = V = 128,
 16 value heads, 8192 tokens, bf16): `state_lanes` on random tiles against the float64 contract (lanes with start
 states, a one-chunk lane, an empty lane, chunks outside every lane holding NaN, checkpoints at r = 0, C - 1 and
 inside chunks) and in map_mode; `state_pass_v2` against float64 on the Triton pipeline's
@@ -72,7 +72,7 @@ def test_lanes_against_float64(channel, tuning):
 def test_map_mode_against_float64(channel):
     import jax.numpy as jnp
 
-    from jaxckpt.ops.common import pallas_mosaic_gpu_state as mgs
+    from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import state as mgs
     from tests.ops.test_pallas_mosaic_gpu_state import make_tiles, reference_maps, rel_rms
 
     seed, case = 20261140 + channel, real_case()
@@ -90,13 +90,14 @@ def test_map_mode_against_float64(channel):
 def test_state_pass_v2_against_float64(channel):
     import jax.numpy as jnp
 
-    from jaxckpt.ops.common import pallas_mosaic_gpu_state as mgs
-    from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+    from jaxckpt.ops.delta_rule import cumsum
+    from jaxckpt.ops.delta_rule import pallas_triton as triton_delta
+    from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import state as mgs
     from tests.ops.test_pallas_mosaic_gpu_state import pipeline_checkpoints, reference, rel_rms
 
     (q, k, v), g, beta, init = delta_inputs("kda" if channel else "gdn", np.random.default_rng(20261150 + channel),
                                             NUM_TOKENS, len(CU_SEQLENS) - 1, heads=HV // GROUP, group=GROUP, dim=D)
-    p = triton_delta.prepare(q, k, v, jnp.asarray(g), jnp.asarray(beta), per_channel_decay=channel, scale=None,
+    p = cumsum.prepare(q, k, v, jnp.asarray(g), jnp.asarray(beta), per_channel_decay=channel, scale=None,
                              use_qk_l2norm=False, cu_seqlens=jnp.asarray(CU_SEQLENS, jnp.int32),
                              checkpoint_cu=jnp.asarray(CHECKPOINT_CU),
                              checkpoint_offsets=jnp.asarray(CHECKPOINT_OFFSETS), chunk_size=C, interpret=False)

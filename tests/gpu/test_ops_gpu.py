@@ -29,7 +29,10 @@ def _declined(op, impl, case) -> str | None:
         return None
     import importlib
 
-    supports = importlib.import_module(f"jaxckpt.ops.{op}.{impl}").supports
+    from jaxckpt.ops.delta_rule.api import MODULES
+
+    module = MODULES[impl] if op in ("gdn", "kda") else f"jaxckpt.ops.{op}.{impl}"
+    supports = importlib.import_module(module).supports
     return supports(*(case.arguments[name] for name in SUPPORT_ARGUMENTS[op]))
 
 
@@ -52,8 +55,8 @@ def test_real_head_size_bf16_against_float64(op, impl):
     import jax.numpy as jnp
 
     from jaxckpt import ops
-    from jaxckpt.ops.gdn.reference import gated_delta_rule as gdn_ref
-    from jaxckpt.ops.kda.reference import kda as kda_ref
+    from jaxckpt.ops.delta_rule.reference import gated_delta_rule as gdn_ref
+    from jaxckpt.ops.delta_rule.reference import kda as kda_ref
 
     rng = np.random.default_rng(42)
     lengths, H, D = [700, 1, 299], 2, 128

@@ -8,6 +8,7 @@ Run on the GPU machine: `JAXCKPT_GPU_TESTS=1 JAX_PLATFORMS=cuda python -m pytest
 
 import numpy as np
 import pytest
+
 from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.gpu

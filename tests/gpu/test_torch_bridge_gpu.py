@@ -8,6 +8,7 @@ tests/gpu/test_torch_bridge_gpu.py` (`-s` shows the measured errors).
 
 import numpy as np
 import pytest
+
 from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.gpu
@@ -48,8 +49,7 @@ def delta_problem(op, *, lengths=(700, 1, 299, 130), heads=2, v_heads=4, dim=128
 
 
 def reference(op):
-    from jaxckpt.ops.gdn.reference import gated_delta_rule
-    from jaxckpt.ops.kda.reference import kda
+    from jaxckpt.ops.delta_rule.reference import gated_delta_rule, kda
 
     return gated_delta_rule if op == "gdn" else kda
 

@@ -73,22 +73,22 @@ def layout(cu_seqlens, num_tokens, chunk=CHUNK):
 
 
 def gate_cumsum(chunk_start, chunk_len, g, *, chunk=CHUNK, interpret=False):
-    """G = fp32 [HV, NC, C], the Triton gate cumsum launch of `delta_rule`."""
+    """G = fp32 [HV, NC, C], the gate cumsum launch of the delta rule's kernel pipelines."""
     import jax.numpy as jnp
 
-    from jaxckpt.ops.common import pallas_triton_delta as ptd
+    from jaxckpt.ops.delta_rule import cumsum
 
-    return ptd.gate_cumsum(chunk_start, chunk_len, g.astype(jnp.float32), per_channel_decay=False, chunk=chunk,
-                           interpret=interpret)
+    return cumsum.gate_cumsum(chunk_start, chunk_len, g.astype(jnp.float32), per_channel_decay=False, chunk=chunk,
+                              interpret=interpret)
 
 
 def triton_intra(chunk_start, chunk_len, q, k, v, beta, G, *, group, scale, chunk=CHUNK, interpret=False,
                  num_warps=4):
-    """(w, u, kd, qg, aqk) of the Triton GDN intra launch (`pallas_triton_delta.gdn_intra`), q and k cast to the
+    """(w, u, kd, qg, aqk) of the Triton GDN intra launch (`delta_rule.pallas_triton.gdn_intra`), q and k cast to the
     I/O dtype as `delta_rule` casts them."""
     import jax.numpy as jnp
 
-    from jaxckpt.ops.common import pallas_triton_delta as ptd
+    from jaxckpt.ops.delta_rule import pallas_triton as ptd
 
     io_dtype = jnp.promote_types(k.dtype, v.dtype)
     io_dtype = jnp.float32 if io_dtype.itemsize >= 4 else io_dtype
@@ -97,20 +97,20 @@ def triton_intra(chunk_start, chunk_len, q, k, v, beta, G, *, group, scale, chun
 
 
 def prepared(x, cu_seqlens, dtype, *, interpret=False):
-    """`pallas_triton_delta.prepare` of the KDA inputs x (q, k, v in `dtype`): layout, casts and G [HV, NC, C, K]."""
+    """`delta_rule.cumsum.prepare` of the KDA inputs x (q, k, v in `dtype`): layout, casts and G [HV, NC, C, K]."""
     import jax.numpy as jnp
 
-    from jaxckpt.ops.common import pallas_triton_delta as ptd
+    from jaxckpt.ops.delta_rule import cumsum
 
     q, k, v = (jnp.asarray(x[name], dtype) for name in ("q", "k", "v"))
-    return ptd.prepare(q, k, v, jnp.asarray(x["g"]), jnp.asarray(x["beta"]), per_channel_decay=True, scale=None,
-                       use_qk_l2norm=False, cu_seqlens=jnp.asarray(cu_seqlens, jnp.int32), checkpoint_cu=None,
-                       checkpoint_offsets=None, chunk_size=CHUNK, interpret=interpret)
+    return cumsum.prepare(q, k, v, jnp.asarray(x["g"]), jnp.asarray(x["beta"]), per_channel_decay=True, scale=None,
+                          use_qk_l2norm=False, cu_seqlens=jnp.asarray(cu_seqlens, jnp.int32), checkpoint_cu=None,
+                          checkpoint_offsets=None, chunk_size=CHUNK, interpret=interpret)
 
 
 def triton_kda_intra(p, q, k, v, beta, G, *, interpret=False):
     """(w, u, kd, qg, aqk) of the Triton KDA intra launches (`intra_v2`, default "split") on p's layout."""
-    from jaxckpt.ops.common import pallas_triton_delta as ptd
+    from jaxckpt.ops.delta_rule import pallas_triton as ptd
 
     return ptd.intra_v2(p._replace(q=q, k=k, v=v, beta=beta, G=G), per_channel_decay=True, chunk_size=CHUNK,
                         interpret=interpret)
@@ -118,7 +118,7 @@ def triton_kda_intra(p, q, k, v, beta, G, *, interpret=False):
 
 def mosaic_kda_intra(p, q, k, v, beta, G, *, interpret=False, **tuning):
     """(w, u, kd, qg, aqk) of the Mosaic GPU kernel on p's layout."""
-    from jaxckpt.ops.common.pallas_mosaic_gpu_kda_intra import kda_intra
+    from jaxckpt.ops.delta_rule.pallas_mosaic_gpu.kda_intra import kda_intra
 
     return kda_intra(p.lay.chunk_start, p.lay.chunk_len, q, k, v, beta, G, chunk=CHUNK,
                      group=v.shape[1] // q.shape[1], scale=p.scale, interpret=interpret, **tuning)

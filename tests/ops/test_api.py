@@ -12,7 +12,7 @@ import pytest
 from jaxckpt import ops
 from jaxckpt.ops.common import api as common_api
 from jaxckpt.ops.common.api import choose_implementation
-from jaxckpt.ops.gdn.api import REGISTRY as GDN_REGISTRY
+from jaxckpt.ops.delta_rule.api import GDN_REGISTRY
 from jaxckpt.plan import NULL_SLOT
 
 

@@ -10,11 +10,10 @@ import pytest
 
 from jaxckpt import ops
 from jaxckpt.ops.conv1d.api import REGISTRY as CONV1D
-from jaxckpt.ops.gdn.api import REGISTRY as GDN
-from jaxckpt.ops.kda.api import REGISTRY as KDA
+from jaxckpt.ops.delta_rule.api import GDN_REGISTRY as GDN
+from jaxckpt.ops.delta_rule.api import KDA_REGISTRY as KDA
 from jaxckpt.ops.ssd.api import REGISTRY as SSD
 from tests.ops.fuzz_cases import Bucket, call, random_batch
-
 
 BUCKETS = {
     "gdn": Bucket("gdn", tokens=64, rows=3, checkpoints=4, heads=2, v_heads=4, key=16, value=16),

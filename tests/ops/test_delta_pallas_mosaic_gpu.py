@@ -1,7 +1,7 @@
-"""The Mosaic GPU state pass of GDN and KDA (`pallas_mosaic_gpu_delta`), run on CPU in Mosaic GPU's interpreter (its
-cumsum and intra kernels in the Pallas HLO interpreter), against the float64 token-by-token references and the Pallas
-Triton pipeline; checkpoints leave outputs and final states bitwise unchanged; NaN in padding tokens leaks nowhere;
-the interpreter's race detector finds no unordered SMEM access; unsupported calls name their reason.
+"""The Mosaic GPU state pass of GDN and KDA (`delta_rule.pallas_mosaic_gpu.pipeline`), run on CPU in Mosaic GPU's
+interpreter (its cumsum and intra kernels in the Pallas HLO interpreter), against the float64 token-by-token references
+and the Pallas Triton pipeline; checkpoints leave outputs and final states bitwise unchanged; NaN in padding tokens
+leaks nowhere; the interpreter's race detector finds no unordered SMEM access; unsupported calls name their reason.
 
 The interpreter's wgmma multiplies the 16-bit SMEM tiles in fp32, so the hi + lo products are exact here: these tests
 check the algorithm, layouts, copies, masks and checkpoint positions, not the tensor-core rounding nor how the GPU's
@@ -20,16 +20,16 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxckpt.ops.common import api as common_api
-from jaxckpt.ops.common import pallas_mosaic_gpu_delta as mosaic_delta
-from jaxckpt.ops.gdn import api as gdn_api
-from jaxckpt.ops.gdn import pallas_mosaic_gpu as gdn_mosaic
-from jaxckpt.ops.gdn import pallas_triton as gdn_triton
-from jaxckpt.ops.gdn import reference as gdn_reference
-from jaxckpt.ops.kda import pallas_mosaic_gpu as kda_mosaic
-from jaxckpt.ops.kda import pallas_triton as kda_triton
-from jaxckpt.ops.kda import reference as kda_reference
-from tests.ops.intra_cases import raw_keys
+from jaxckpt.ops.delta_rule import api as gdn_api
+from jaxckpt.ops.delta_rule import pallas_triton as gdn_triton
+from jaxckpt.ops.delta_rule import pallas_triton as kda_triton
+from jaxckpt.ops.delta_rule import reference as gdn_reference
+from jaxckpt.ops.delta_rule import reference as kda_reference
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import pipeline as gdn_mosaic
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import pipeline as kda_mosaic
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import pipeline as mosaic_delta
 from tests.numerics import rel_rms
+from tests.ops.intra_cases import raw_keys
 
 pytestmark = pytest.mark.interpret
 
@@ -154,8 +154,8 @@ def test_gdn_rows_off_the_tile_grid(checkpoints):
     # the H200 failure's pattern at K = V = 64: rows of 100, 1 and 83 tokens (starts 0, 100, 101: off the 8-row TMA
     # tile grid; partial last chunks; a 1-token row in between), NaN padding, checkpoints (100: 1, 64, 99; 83: 64,
     # 82) or none, against the Triton pipeline and float64, token by token. The interpreter copies misaligned TMA
-    # tiles whole, so it could not show the GPU dropping their rows (`pallas_mosaic_gpu_delta` docstring, "TMA
-    # addresses"); it checks that O and the checkpoint keys reach every token of these rows
+    # tiles whole, so it could not show the GPU dropping their rows (`delta_rule.pallas_mosaic_gpu.pipeline` docstring,
+    # "TMA addresses"); it checks that O and the checkpoint keys reach every token of these rows
     rng = np.random.default_rng(89)
     T, D = 194, HEAD_DIM
     cu = np.array([0, 100, 101, 184], np.int32)
@@ -221,7 +221,9 @@ def test_supports_names_the_reason():
     assert "16-bit" in gdn_mosaic.supports(**fp32, interpret=True)
     narrow = dict(inputs, v=jnp.zeros((NUM_TOKENS, 2, 32), jnp.bfloat16))
     assert gdn_mosaic.supports(**narrow, interpret=True).startswith("V:")
-    assert kda_mosaic.supports(**inputs, interpret=True).startswith("g:")
+    assert gdn_mosaic.supports(**dict(inputs, g=inputs["g"][..., None]), interpret=True).startswith("g:")
+    with pytest.raises(ValueError, match="^g:"):
+        kda_mosaic.kda(**inputs, interpret=True)
     with pytest.raises(ValueError, match="16-bit"):
         gdn_mosaic.gated_delta_rule(**fp32, interpret=True)
     assert "kda_score_parts" in gdn_mosaic.supports(**inputs, interpret=True, kda_score_parts=2)
@@ -231,7 +233,7 @@ def test_supports_names_the_reason():
     assert "intra_inverse" in gdn_mosaic.supports(**inputs, interpret=True, state="fused", intra_inverse="blocked")
     # first in the automatic order; off a Hopper GPU it declines with its reason and the order falls back
     call = dict(inputs, chunk_size=64)
-    choice = common_api.choose_implementation(gdn_api.REGISTRY, None, **call)
+    choice = common_api.choose_implementation(gdn_api.GDN_REGISTRY, None, **call)
     assert choice.declined[0][0] == "pallas_mosaic_gpu" and "sm_90" in choice.declined[0][1]
     assert choice.name != "pallas_mosaic_gpu"
 

@@ -11,13 +11,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxckpt.ops.common import pallas_triton_delta
 from jaxckpt.ops.common.log_decay import floor_log_decay, split_cumsum
 from jaxckpt.ops.common.pallas_triton_tiles import Cumsum, Dots
-from jaxckpt.ops.gdn import pallas_triton as gdn_pallas
-from jaxckpt.ops.gdn import reference as gdn_reference
-from jaxckpt.ops.kda import pallas_triton as kda_pallas
-from jaxckpt.ops.kda import reference as kda_reference
+from jaxckpt.ops.delta_rule import pallas_triton, reference
 from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.interpret
@@ -83,8 +79,8 @@ def test_gdn_matches_reference(chunk_size, heads, head_k, head_v, layout, tuning
     inputs = make_inputs(rng, NUM_TOKENS, *heads, head_k, head_v, per_channel=False)
     options = dict(varlen_options(make_initial_state(rng, heads[1], head_k, head_v, layout), layout),
                    use_qk_l2norm=True)
-    actual = run(gdn_pallas.gated_delta_rule, inputs, **options, chunk_size=chunk_size, **tuning)
-    assert_matches(actual, gdn_reference.gated_delta_rule(**inputs, **options), FP32_TOL)
+    actual = run(pallas_triton.gated_delta_rule, inputs, **options, chunk_size=chunk_size, **tuning)
+    assert_matches(actual, reference.gated_delta_rule(**inputs, **options), FP32_TOL)
 
 
 @pytest.mark.parametrize("chunk_size, head_k, head_v, layout, gate, tuning", [
@@ -104,15 +100,15 @@ def test_kda_matches_reference(chunk_size, head_k, head_v, layout, gate, tuning)
         gate_options = dict(gate_options, lower_bound=-5.0)
         inputs["g"] = (3.0 * rng.normal(size=inputs["g"].shape)).astype(np.float32)
     options = dict(varlen_options(make_initial_state(rng, 2, head_k, head_v, layout), layout), use_qk_l2norm=True)
-    actual = run(kda_pallas.kda, inputs, **options, **gate_options, chunk_size=chunk_size, **tuning)
-    assert_matches(actual, kda_reference.kda(**inputs, **options, **gate_options), FP32_TOL)
+    actual = run(pallas_triton.kda, inputs, **options, **gate_options, chunk_size=chunk_size, **tuning)
+    assert_matches(actual, reference.kda(**inputs, **options, **gate_options), FP32_TOL)
 
 
 @pytest.mark.parametrize("op, per_channel, tuning", [
-    (gdn_pallas.gated_delta_rule, False, dict()),
-    (kda_pallas.kda, True, dict()),
-    (gdn_pallas.gated_delta_rule, False, dict(fuse_output=True)),
-    (kda_pallas.kda, True, dict(fuse_output=True)),
+    (pallas_triton.gated_delta_rule, False, dict()),
+    (pallas_triton.kda, True, dict()),
+    (pallas_triton.gated_delta_rule, False, dict(fuse_output=True)),
+    (pallas_triton.kda, True, dict(fuse_output=True)),
 ])
 def test_checkpoints_leave_outputs_bitwise_unchanged(op, per_channel, tuning):
     rng = np.random.default_rng(37 + per_channel)
@@ -133,30 +129,32 @@ def test_gdn_bfloat16_one_row_without_initial_state(tuning):
         inputs[name] = inputs[name].astype(ml_dtypes.bfloat16)
     options = dict(checkpoint_cu=np.array([0, 3], np.int32), checkpoint_offsets=np.array([1, 64, 99], np.int32),
                    use_qk_l2norm=True)
-    actual = run(gdn_pallas.gated_delta_rule, inputs, **options, chunk_size=64, **tuning)
+    actual = run(pallas_triton.gated_delta_rule, inputs, **options, chunk_size=64, **tuning)
     assert actual[0].dtype == jnp.bfloat16 and actual[1].dtype == np.float32
-    assert_matches(actual, gdn_reference.gated_delta_rule(**inputs, **options), BF16_TOL)
+    assert_matches(actual, reference.gated_delta_rule(**inputs, **options), BF16_TOL)
 
 
 def test_supports_names_the_reason():
     rng = np.random.default_rng(43)
     inputs = {name: jnp.asarray(x) for name, x in make_inputs(rng, 8, 1, 1, 32, 32, per_channel=False).items()}
-    assert gdn_pallas.supports(**inputs, interpret=True) is None
-    assert "chunk_size" in gdn_pallas.supports(**inputs, chunk_size=128, interpret=True)
-    assert "block_v" in gdn_pallas.supports(**inputs, interpret=True, block_v=48)
-    assert "unknown" in gdn_pallas.supports(**inputs, interpret=True, num_warp=4)
+    assert pallas_triton.supports(**inputs, interpret=True) is None
+    assert "chunk_size" in pallas_triton.supports(**inputs, chunk_size=128, interpret=True)
+    assert "block_v" in pallas_triton.supports(**inputs, interpret=True, block_v=48)
+    assert "unknown" in pallas_triton.supports(**inputs, interpret=True, num_warp=4)
     odd = dict(inputs, v=jnp.zeros((8, 1, 24), jnp.float32))
-    assert gdn_pallas.supports(**odd, interpret=True).startswith("V:")
-    assert kda_pallas.supports(**inputs, interpret=True).startswith("g:")
+    assert pallas_triton.supports(**odd, interpret=True).startswith("V:")
+    assert pallas_triton.supports(**dict(inputs, g=inputs["g"][..., None]), interpret=True).startswith("g:")
+    with pytest.raises(ValueError, match="^g:"):
+        pallas_triton.kda(**inputs, interpret=True)
     with pytest.raises(ValueError, match="^chunk_size"):
-        gdn_pallas.gated_delta_rule(**inputs, chunk_size=8, interpret=True)
+        pallas_triton.gated_delta_rule(**inputs, chunk_size=8, interpret=True)
 
 
 def test_diagonal_block_helpers_are_exact_under_strong_decays():
     # the loop-free diagonal helpers, outside a kernel, against float64: decays down to e^-60 per token
     # would overflow any single-reference factorisation, the split one keeps every factor <= 1
     rng = np.random.default_rng(47)
-    sub, head_k = pallas_triton_delta.SUB, 32
+    sub, head_k = pallas_triton.SUB, 32
     g = -rng.exponential(2.0, size=(sub, head_k)) - np.where(rng.random((sub, head_k)) < 0.2, 60.0, 0.0)
     G = np.cumsum(g, axis=0)
     a, k = rng.normal(size=(2, sub, head_k))
@@ -166,13 +164,13 @@ def test_diagonal_block_helpers_are_exact_under_strong_decays():
     whole = Cumsum(jnp.asarray(G, jnp.float32))
     split = Cumsum(*split_cumsum(floor_log_decay(jnp.asarray(g, jnp.float32)), axis=0))
     for G32 in (whole, split):
-        (scores,) = pallas_triton_delta._diag_block_scores([jnp.asarray(a, jnp.float32)],
+        (scores,) = pallas_triton._diag_block_scores([jnp.asarray(a, jnp.float32)],
                                                            jnp.asarray(k, jnp.float32), G32,
                                                            lambda idx: G32.map(lambda x: x[idx]), dots)
         np.testing.assert_allclose(np.asarray(scores), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
     A = np.tril(rng.normal(scale=0.3, size=(sub, sub)), k=-1)
-    inverse = pallas_triton_delta._doubling_inverse(jnp.asarray(A, jnp.float32))
+    inverse = pallas_triton._doubling_inverse(jnp.asarray(A, jnp.float32))
     np.testing.assert_allclose(np.asarray(inverse), np.linalg.inv(np.eye(sub) + A), rtol=1e-5, atol=1e-5)
 
 
@@ -231,8 +229,8 @@ def test_kda_intra_matches_reference_under_strong_decays(chunk_size, head_k, hea
     rng = np.random.default_rng(53 + chunk_size + head_k)
     inputs, gate_options = strong_kda_inputs(rng, gate, head_k, head_v)
     options = dict(kda_varlen_options(rng, head_k, head_v, layout), **gate_options)
-    actual = run(kda_pallas.kda, inputs, **options, chunk_size=chunk_size, **tuning)
-    assert_finite_matches(actual, kda_reference.kda(**inputs, **options), FP32_TOL)
+    actual = run(pallas_triton.kda, inputs, **options, chunk_size=chunk_size, **tuning)
+    assert_finite_matches(actual, reference.kda(**inputs, **options), FP32_TOL)
 
 
 def test_kda_bfloat16_intra():
@@ -241,17 +239,17 @@ def test_kda_bfloat16_intra():
     for name in ("q", "k", "v"):
         inputs[name] = inputs[name].astype(ml_dtypes.bfloat16)
     options = dict(kda_varlen_options(rng, 32, 32, "kv"), **gate_options)
-    actual = run(kda_pallas.kda, inputs, **options, chunk_size=64)
+    actual = run(pallas_triton.kda, inputs, **options, chunk_size=64)
     assert actual[0].dtype == jnp.bfloat16 and actual[1].dtype == np.float32
-    assert_finite_matches(actual, kda_reference.kda(**inputs, **options), BF16_TOL)
+    assert_finite_matches(actual, reference.kda(**inputs, **options), BF16_TOL)
 
 
 def test_kda_supports_names_bad_intra_options():
     rng = np.random.default_rng(67)
     inputs = {name: jnp.asarray(x) for name, x in make_inputs(rng, 8, 1, 1, 32, 64, per_channel=True).items()}
-    assert kda_pallas.supports(**inputs, interpret=True, kda_block_k=16) is None
+    assert pallas_triton.supports(**inputs, interpret=True, kda_block_k=16) is None
     for bad in (8, 48, 64):  # below a tile, not a power of two, above min(K, V) = 32
-        assert "kda_block_k" in kda_pallas.supports(**inputs, interpret=True, kda_block_k=bad)
+        assert "kda_block_k" in pallas_triton.supports(**inputs, interpret=True, kda_block_k=bad)
 
 
 # the shared vectors' strong-decay, chunk-edge and bf16 safe-gate KDA cases (interpret mode compiles every shape anew,
@@ -265,5 +263,5 @@ def test_kda_intra_matches_shared_vectors(name):
 
     case = load_case("kda", name)
     args = case.arguments
-    assert kda_pallas.supports(*(args[arg] for arg in ("q", "k", "v", "g", "beta")), interpret=True) is None
-    check_case(case, [np.asarray(x) for x in kda_pallas.kda(**args, interpret=True)])
+    assert pallas_triton.supports(*(args[arg] for arg in ("q", "k", "v", "g", "beta")), interpret=True) is None
+    check_case(case, [np.asarray(x) for x in pallas_triton.kda(**args, interpret=True)])

@@ -8,10 +8,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxckpt.ops.gdn import reference as gdn_reference
-from jaxckpt.ops.gdn import xla as gdn_xla
-from jaxckpt.ops.kda import reference as kda_reference
-from jaxckpt.ops.kda import xla as kda_xla
+from jaxckpt.ops.delta_rule import reference, xla
+from jaxckpt.ops.delta_rule.gate import kda_gate
 from tests.numerics import rel_rms
 
 H, HV = 2, 4
@@ -61,8 +59,8 @@ def test_gdn_matches_reference(chunk_size, state_layout):
     inputs = make_inputs(rng, NUM_TOKENS, 16, 32, per_channel=False)
     init = make_initial_state(rng, 5, 16, 32, state_layout, rows_with_state=(0, 2, 4))
     kwargs = varlen_kwargs(init, use_qk_l2norm=True, state_layout=state_layout)
-    expected = gdn_reference.gated_delta_rule(**inputs, **kwargs)
-    outs = [gdn_xla.gated_delta_rule(**inputs, **kwargs, chunk_size=chunk_size, checkpoint_method=method)
+    expected = reference.gated_delta_rule(**inputs, **kwargs)
+    outs = [xla.gated_delta_rule(**inputs, **kwargs, chunk_size=chunk_size, checkpoint_method=method)
             for method in ("in_chunk", "forced_break")]
     for out in outs:
         assert out[0].dtype == jnp.float32 and out[1].dtype == out[2].dtype == jnp.float32
@@ -92,13 +90,13 @@ def test_kda_matches_reference(gate, chunk_size, methods):
     state_layout = "vk" if chunk_size == 64 else "kv"
     init = make_initial_state(rng, 5, 32, 16, state_layout, rows_with_state=(1, 2))
     kwargs = varlen_kwargs(init, use_qk_l2norm=True, state_layout=state_layout, **gate_kwargs)
-    expected = kda_reference.kda(**inputs, **kwargs)
-    outs = [kda_xla.kda(**inputs, **kwargs, chunk_size=chunk_size, checkpoint_method=method) for method in methods]
+    expected = reference.kda(**inputs, **kwargs)
+    outs = [xla.kda(**inputs, **kwargs, chunk_size=chunk_size, checkpoint_method=method) for method in methods]
     for out in outs:
         assert_matches(out, expected, FP32_TOL)
     assert_matches(outs[0], outs[-1], FP32_TOL)
-    np.testing.assert_allclose(kda_xla.kda_gate(jnp.asarray(inputs["g"]), **gate_kwargs),
-                               kda_reference.kda_gate(inputs["g"], **gate_kwargs), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kda_gate(jnp.asarray(inputs["g"]), **gate_kwargs),
+                               reference.kda_gate(inputs["g"], **gate_kwargs), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("per_channel", [False, True])
@@ -107,8 +105,8 @@ def test_in_chunk_checkpoints_leave_outputs_bitwise_unchanged(per_channel):
     inputs = make_inputs(rng, NUM_TOKENS, 16, 32, per_channel=per_channel)
     inputs["k"] *= 0.25  # without the normalisation, keeps beta |k|^2 near 1
     init = make_initial_state(rng, 5, 16, 32, "kv", rows_with_state=(0, 1, 4))
-    op, ref = (kda_xla.kda, kda_reference.kda) if per_channel else (gdn_xla.gated_delta_rule,
-                                                                      gdn_reference.gated_delta_rule)
+    op, ref = (xla.kda, reference.kda) if per_channel else (xla.gated_delta_rule,
+                                                                      reference.gated_delta_rule)
     with_ckpt = op(**inputs, **varlen_kwargs(init, scale=0.3), chunk_size=16)
     without = op(**inputs, initial_state=init, cu_seqlens=CU_SEQLENS, scale=0.3, chunk_size=16)
     assert without[2].shape == (0, HV, 16, 32)
@@ -122,13 +120,13 @@ def test_checkpoint_is_final_state_of_prefix_run():
     length, offsets = 100, np.array([1, 30, 64, 99], np.int32)
     inputs = make_inputs(rng, length, 16, 16, per_channel=True)
     init = make_initial_state(rng, 1, 16, 16, "vk", rows_with_state=(0,))
-    _, _, checkpoints = kda_xla.kda(**inputs, initial_state=init, checkpoint_cu=np.array([0, 4], np.int32),
+    _, _, checkpoints = xla.kda(**inputs, initial_state=init, checkpoint_cu=np.array([0, 4], np.int32),
                            checkpoint_offsets=offsets, use_qk_l2norm=True, state_layout="vk")
     # the prefixes packed as rows of one batch, each starting from the same initial state
     tokens = np.concatenate([np.arange(p) for p in offsets])
     prefix_inputs = {name: x[tokens] for name, x in inputs.items()}
     prefix_cu = np.concatenate([[0], np.cumsum(offsets)]).astype(np.int32)
-    _, prefix_final, _ = kda_xla.kda(**prefix_inputs, initial_state=np.repeat(init, 4, axis=0), cu_seqlens=prefix_cu,
+    _, prefix_final, _ = xla.kda(**prefix_inputs, initial_state=np.repeat(init, 4, axis=0), cu_seqlens=prefix_cu,
                                      use_qk_l2norm=True, state_layout="vk")
     for m in range(4):
         assert rel_rms(checkpoints[m], prefix_final[m]) <= FP32_TOL, m
@@ -142,7 +140,7 @@ def test_traced_metadata_compiles_once():
     @jax.jit
     def run(inputs, cu_seqlens, checkpoint_cu, checkpoint_offsets):
         traces.append(None)
-        return gdn_xla.gated_delta_rule(**inputs, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
+        return xla.gated_delta_rule(**inputs, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
                                         checkpoint_offsets=checkpoint_offsets, use_qk_l2norm=True, chunk_size=16)
 
     batches = [(np.array([0, 40, 41, 90], np.int32), np.array([0, 2, 2, 3], np.int32), np.array([1, 39, 17, 0])),
@@ -150,7 +148,7 @@ def test_traced_metadata_compiles_once():
     for cu, ccu, offsets in batches:
         offsets = offsets.astype(np.int32)
         out = run(inputs, cu, ccu, offsets)
-        expected = gdn_reference.gated_delta_rule(**inputs, cu_seqlens=cu, checkpoint_cu=ccu,
+        expected = reference.gated_delta_rule(**inputs, cu_seqlens=cu, checkpoint_cu=ccu,
                                                   checkpoint_offsets=offsets, use_qk_l2norm=True)
         assert_matches(out, expected, FP32_TOL)
     assert len(traces) == 1
@@ -163,8 +161,8 @@ def test_bfloat16_inputs_land_in_the_bf16_class(per_channel, method):
     inputs["g"], inputs["beta"] = inputs["g"].astype(np.float32), inputs["beta"].astype(np.float32)
     init = make_initial_state(rng, 5, 16, 16, "kv", rows_with_state=(2, 4))
     kwargs = varlen_kwargs(init, use_qk_l2norm=True)
-    op, ref = (kda_xla.kda, kda_reference.kda) if per_channel else (gdn_xla.gated_delta_rule,
-                                                                      gdn_reference.gated_delta_rule)
+    op, ref = (xla.kda, reference.kda) if per_channel else (xla.gated_delta_rule,
+                                                                      reference.gated_delta_rule)
     out = op(**{name: jnp.asarray(x) for name, x in inputs.items()}, **kwargs, chunk_size=16,
              checkpoint_method=method)
     assert out[0].dtype == jnp.bfloat16 and out[1].dtype == out[2].dtype == jnp.float32
@@ -178,7 +176,7 @@ def test_associative_and_sequential_state_passes_agree(per_channel, method):
     rng = np.random.default_rng(303 + 2 * per_channel + (method == "in_chunk"))
     inputs = make_inputs(rng, NUM_TOKENS, 16, 16, per_channel=per_channel)
     init = make_initial_state(rng, 5, 16, 16, "vk", rows_with_state=(0, 2, 4))
-    op = kda_xla.kda if per_channel else gdn_xla.gated_delta_rule
+    op = xla.kda if per_channel else xla.gated_delta_rule
     options = dict(use_qk_l2norm=True, state_layout="vk", chunk_size=16, checkpoint_method=method)
     associative = op(**inputs, **varlen_kwargs(init, **options))
     sequential = op(**inputs, **varlen_kwargs(init, **options), state_pass="sequential")
@@ -217,7 +215,7 @@ def test_gradients_match_token_scan(per_channel):
     inputs = make_inputs(rng, length, 16, 16, per_channel=per_channel)
     init = rng.normal(size=(1, HV, 16, 16)).astype(np.float32)
     weights = [rng.normal(size=shape) for shape in ((length, HV, 16), (HV, 16, 16), (HV, 16, 16))]
-    op = kda_xla.kda if per_channel else gdn_xla.gated_delta_rule
+    op = xla.kda if per_channel else xla.gated_delta_rule
     names = ("q", "k", "v", "g", "beta")
 
     def chunked_loss(args):
@@ -260,20 +258,20 @@ def test_static_validation():
     ]
     for change, message in bad:
         with pytest.raises(ValueError, match=f"^{message}"):
-            gdn_xla.gated_delta_rule(**{**inputs, **change})
+            xla.gated_delta_rule(**{**inputs, **change})
     kda_inputs = {**inputs, "g": jnp.zeros((8, HV, 16))}
     for change, message in [(dict(lower_bound=-6.0), "lower_bound: "), (dict(lower_bound=0.0), "lower_bound: "),
                             (dict(A_log=jnp.zeros(3)), "A_log: "), (dict(dt_bias=jnp.zeros(HV * 16)), "dt_bias: "),
                             (dict(A_log=jnp.zeros(HV), dt_bias=jnp.zeros((HV, 8))), "dt_bias: ")]:
         with pytest.raises(ValueError, match=f"^{message}"):
-            kda_xla.kda(**kda_inputs, **change)
+            xla.kda(**kda_inputs, **change)
 
 
 def test_empty_batch():
     rng = np.random.default_rng(1010)
     inputs = make_inputs(rng, 0, 16, 16, per_channel=True)
     init = rng.normal(size=(2, HV, 16, 16)).astype(np.float32)
-    o, final, checkpoints = kda_xla.kda(**inputs, initial_state=init, cu_seqlens=np.array([0, 0, 0], np.int32),
+    o, final, checkpoints = xla.kda(**inputs, initial_state=init, cu_seqlens=np.array([0, 0, 0], np.int32),
                                         checkpoint_cu=np.zeros(3, np.int32), checkpoint_offsets=np.zeros(1, np.int32))
     assert o.shape == (0, HV, 16) and checkpoints.shape == (1, HV, 16, 16)
     np.testing.assert_array_equal(final, init)

@@ -1,11 +1,11 @@
 """Properties of the float64 GDN reference, checked against independent formulations (chunked WY/UT form with the
-in-chunk checkpoint formula of jaxckpt/ops/gdn/README.md, the transition-product form, closed forms)."""
+in-chunk checkpoint formula of jaxckpt/ops/delta_rule/README.md, the transition-product form, closed forms)."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxckpt.ops.gdn.reference import gated_delta_rule
+from jaxckpt.ops.delta_rule.reference import gated_delta_rule
 from jaxckpt.plan.conventions import PAD_CHECKPOINT_OFFSET
 
 H, HV, K, V = 2, 4, 8, 8

@@ -13,7 +13,9 @@ import pytest
 
 from jaxckpt import ops
 from jaxckpt.ops.common.api import choose_implementation
-from jaxckpt.ops.gdn.api import REGISTRY as GDN_REGISTRY
+from jaxckpt.ops.conv1d.api import REGISTRY as CONV1D_REGISTRY
+from jaxckpt.ops.delta_rule.api import GDN_REGISTRY, KDA_REGISTRY
+from jaxckpt.ops.ssd.api import REGISTRY as SSD_REGISTRY
 
 CU = np.array([0, 1, 14, 30], np.int32)          # one decode row, two prefill rows, 2 padding tokens
 T = 32
@@ -123,16 +125,16 @@ def test_xla_gradient_matches_central_differences_of_the_reference(op, paged, im
         got = float(np.sum(np.asarray(grad, np.float64) * direction))
         assert abs(got - want) <= tol * abs(want), (name, got, want)
 
+REGISTRIES = {"gdn": GDN_REGISTRY, "kda": KDA_REGISTRY, "ssd": SSD_REGISTRY, "conv1d": CONV1D_REGISTRY}
+
 
 @pytest.mark.parametrize("op", ["gdn", "kda", "ssd", "conv1d"])
 def test_the_default_call_on_the_cpu_is_the_differentiable_xla_path(op):
     # the layers call with implementation=None; on the CPU every Pallas backend declines and the XLA path runs
-    from importlib import import_module
-
     arrays, _, _ = case(op, np.random.default_rng(11))
     names = {"gdn": ("q", "k", "v", "g", "beta"), "ssd": ("x", "dt", "B", "C"), "conv1d": ("x",)}
     call = {name: arrays[name] for name in names.get(op, names["gdn"])}
-    choice = choose_implementation(import_module(f"jaxckpt.ops.{op}.api").REGISTRY, None, **call,
+    choice = choose_implementation(REGISTRIES[op], None, **call,
                                    **({} if op == "conv1d" else {"chunk_size": 16}))
     assert choice.name == "xla" and choice.differentiable
 
@@ -202,7 +204,7 @@ def test_mosaic_gpu_raises_naming_xla(op):
 def test_the_error_names_the_default_choice(monkeypatch):
     # the Pallas Triton path supports the call as on a GPU; the derivative rule raises while tracing, before any
     # kernel would run
-    from jaxckpt.ops.gdn import pallas_triton
+    from jaxckpt.ops.delta_rule import pallas_triton
 
     monkeypatch.setattr(pallas_triton, "supports", lambda *args, **kwargs: None)
     arrays, _, entry = case("gdn", np.random.default_rng(6))

@@ -1,14 +1,12 @@
 """Grouped matmul (`jaxckpt.ops.grouped_matmul`): the XLA path and the Pallas Triton kernel (interpret=True) against
 a float64 numpy loop over the groups; the tile table's coverage; gradients; traced group sizes; bad input."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
-
-from jaxckpt.ops.grouped_matmul import GroupedMatmulConfig, api, default_config, grouped_matmul
-from jaxckpt.ops.grouped_matmul import pallas_triton
+from jaxckpt.ops.grouped_matmul import GroupedMatmulConfig, api, default_config, grouped_matmul, pallas_triton
 
 HIGHEST = jax.lax.Precision.HIGHEST
 SMALL = GroupedMatmulConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)

@@ -1,6 +1,6 @@
 """Properties of the float64 KDA reference and its gate, checked against independent formulations (chunked WY/UT form
-with per-channel decays and the in-chunk checkpoint formula of jaxckpt/ops/kda/README.md, the transition-product form,
-closed forms, GDN for channel-constant decays, direct gate formulas)."""
+with per-channel decays and the in-chunk checkpoint formula of jaxckpt/ops/delta_rule/README.md, the transition-product
+form, closed forms, GDN for channel-constant decays, direct gate formulas)."""
 
 import math
 
@@ -8,8 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxckpt.ops.gdn.reference import gated_delta_rule
-from jaxckpt.ops.kda.reference import kda, kda_gate
+from jaxckpt.ops.delta_rule.reference import gated_delta_rule, kda, kda_gate
 from jaxckpt.plan.conventions import PAD_CHECKPOINT_OFFSET
 
 H, HV, K, V = 2, 4, 8, 8

@@ -1,7 +1,8 @@
-"""The fused GDN pass (`pallas_mosaic_gpu_gdn_fused`: `gdn_kkt`, `gdn_fused_lanes`, `gdn_fused_pass`) under Mosaic GPU's
-CPU interpreter: against the float64 token-by-token reference (`jaxckpt.ops.gdn.reference`), against the unfused
-Mosaic GPU pipeline (`gdn_intra` + `pallas_mosaic_gpu_state.state_pass_v2`) on the same `prepare`, map_mode against a
-float64 numpy product of the chunk maps, the race detector on one case, and the sm_90 lowering through `jax.export`.
+"""The fused GDN pass (`delta_rule.pallas_mosaic_gpu.gdn_fused`: `gdn_kkt`, `gdn_fused_lanes`, `gdn_fused_pass`) under
+Mosaic GPU's CPU interpreter: against the float64 token-by-token reference (`jaxckpt.ops.delta_rule.reference`), against
+the unfused Mosaic GPU pipeline (`gdn_intra` + `delta_rule.pallas_mosaic_gpu.state.state_pass_v2`) on the same
+`prepare`, map_mode against a float64 numpy product of the chunk maps, the race detector on one case, and the sm_90
+lowering through `jax.export`.
 
 Fresh random inputs every run (the seed is in every failure message); K = V = 64, one key head, two value heads.
 Rows of 150, 0, 37 and 83 tokens (chunk starts off the 8-row grid, partial chunks, an empty row) followed by padding
@@ -15,15 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
+
 # no public accessor in jax 0.11.2 for the race detector's verdict
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as fused
-from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mgi
-from jaxckpt.ops.common import pallas_mosaic_gpu_state as mgs
-from jaxckpt.ops.common import pallas_triton_delta as triton_delta
-from jaxckpt.ops.gdn.reference import gated_delta_rule as gdn_reference
+from jaxckpt.ops.delta_rule import cumsum
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import gdn_fused as fused
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import intra as mgi
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import state as mgs
+from jaxckpt.ops.delta_rule.reference import gated_delta_rule as gdn_reference
 from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.interpret
@@ -64,7 +66,7 @@ def make_case(seed, *, dtype=jnp.bfloat16, head_k=64, head_v=64):
 
 
 def prepared(x):
-    return triton_delta.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], per_channel_decay=False, scale=None,
+    return cumsum.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], per_channel_decay=False, scale=None,
                                 use_qk_l2norm=False, cu_seqlens=jnp.asarray(np.cumsum([0, *LENGTHS]), jnp.int32),
                                 checkpoint_cu=jnp.asarray(CHECKPOINT_CU), checkpoint_offsets=jnp.asarray(
                                     CHECKPOINT_OFFSETS), chunk_size=C, interpret=True)
@@ -215,6 +217,7 @@ def test_lowers_for_sm90(monkeypatch, mode, head_k, head_v):
     # both kernels lowered for sm_90 on CPU (the register-A wgmma path, interpreted through SMEM above), within the
     # 227 KB of SMEM per CTA
     from jax import export
+
     # private: the kernel's SMEM bytes, as Mosaic GPU sizes them for the launch
     from jax.experimental.mosaic.gpu import core as mosaic_core
 

@@ -1,6 +1,6 @@
-"""The Mosaic GPU GDN intra-chunk kernel (`pallas_mosaic_gpu_intra.gdn_intra`) under Mosaic GPU's CPU interpreter,
-against the Triton-lowered `_intra_kernel_v2` (interpret mode) and an independent float64 numpy computation of the
-definitions, output by output; fresh random inputs each run (the seed is in every failure message).
+"""The Mosaic GPU GDN intra-chunk kernel (`delta_rule.pallas_mosaic_gpu.intra.gdn_intra`) under Mosaic GPU's CPU
+interpreter, against the Triton-lowered `_intra_kernel_v2` (interpret mode) and an independent float64 numpy computation
+of the definitions, output by output; fresh random inputs each run (the seed is in every failure message).
 
 Rows of lengths 0, 1, 36, 0, 83 then 10 padding tokens holding NaN: chunks start at unaligned tokens, the last one
 is partial and its TMA window runs past T (zero-filled), and the NaNs check that nothing past a chunk's length
@@ -18,13 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
+
 # no public accessor in jax 0.11.2 for the race detector's verdict or for resetting after a failed kernel
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races, reset_gpu_interpret_mode_state
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from tests.ops.intra_cases import OUTPUTS, gate_cumsum, layout, make_gdn_inputs as make_inputs, raw_keys, triton_intra
-from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mgi
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import intra as mgi
 from tests.numerics import rel_rms
+from tests.ops.intra_cases import OUTPUTS, gate_cumsum, layout, raw_keys, triton_intra
+from tests.ops.intra_cases import make_gdn_inputs as make_inputs
 
 pytestmark = pytest.mark.interpret
 
@@ -187,6 +189,7 @@ def test_lowers_for_sm90(monkeypatch, dtype, head_k, head_v, tuning, two_per_sm)
     need the GPU machine. `two_per_sm`: the SMEM per CTA leaves room for a second CTA on the SM (228 KB, 1 KB
     reserved per CTA), which the tuning options' speed rests on."""
     from jax import export
+
     # private: the kernel's SMEM bytes, as Mosaic GPU sizes them for the launch
     from jax.experimental.mosaic.gpu import core as mosaic_core
 

@@ -1,7 +1,7 @@
-"""The Mosaic GPU KDA intra-chunk kernel (`pallas_mosaic_gpu_kda_intra.kda_intra`) under Mosaic GPU's CPU interpreter,
-against the Triton KDA intra launches (`intra_v2(prepare(...), per_channel_decay=True)`, interpret mode) and an
-independent float64 numpy computation of the definitions, output by output; fresh random inputs each run (the seed
-is in every failure message).
+"""The Mosaic GPU KDA intra-chunk kernel (`delta_rule.pallas_mosaic_gpu.kda_intra.kda_intra`) under Mosaic GPU's CPU
+interpreter, against the Triton KDA intra launches (`intra_v2(prepare(...), per_channel_decay=True)`, interpret mode)
+and an independent float64 numpy computation of the definitions, output by output; fresh random inputs each run (the
+seed is in every failure message).
 
 Rows of lengths 0, 1, 36, 0, 83 then 10 padding tokens holding NaN: chunks start at unaligned tokens, the last one
 is partial and its TMA window runs past T (zero-filled), and the NaNs check that nothing past a chunk's length
@@ -19,14 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
+
 # no public accessor in jax 0.11.2 for the race detector's verdict or for resetting after a failed kernel
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races, reset_gpu_interpret_mode_state
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from tests.ops.intra_cases import (OUTPUTS, make_kda_inputs as make_inputs, mosaic_kda_intra, prepared, raw_keys,
-                                  triton_kda_intra)
-from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mki
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import kda_intra as mki
 from tests.numerics import rel_rms
+from tests.ops.intra_cases import OUTPUTS, mosaic_kda_intra, prepared, raw_keys, triton_kda_intra
+from tests.ops.intra_cases import make_kda_inputs as make_inputs
 
 pytestmark = pytest.mark.interpret
 
@@ -130,7 +131,7 @@ def test_matches_triton_and_float64(dtype, num_heads, group, tuning):
 # fp16 I/O: beta v ~ 2 / |k|^2 must itself fit fp16, so the keys' norms span fewer decades there
 @pytest.mark.parametrize("dtype, norms", [(jnp.bfloat16, (1e-3, 1e3)), (jnp.float16, (0.015, 60.0))])
 def test_raw_keys_of_any_norm(dtype, norms):
-    """`pallas_mosaic_gpu_intra`'s test of the same name: keys over several decades of norm, near-parallel,
+    """`delta_rule.pallas_mosaic_gpu.intra`'s test of the same name: keys over several decades of norm, near-parallel,
     beta = beta' / |k|^2 with beta' up to 2; the similarity keeps the fp16 inverse's operands in range."""
     seed = int(np.random.SeedSequence().entropy % 2 ** 32)
     outputs = run_all(seed, dtype, 1, 2, 64, 64, raw=norms)

@@ -1,8 +1,9 @@
-"""The sequence split of the Mosaic GPU state pass (`pallas_mosaic_gpu_split`): the split logic with the lanes kernel
-replaced by a float64 numpy emulator of its contract, against the float64 token-by-token references; `split_lanes`,
-`choose_pieces` and the tuning checks; and, once `pallas_mosaic_gpu_state.state_lanes` is written, the public GDN
-entry with the real kernel in Mosaic GPU's interpreter. State "fused" (the fused GDN kernels in the same split):
-the public entry in the interpreter for P = 1, 2, 3 against float64, its declines, and its sm_90 lowering.
+"""The sequence split of the Mosaic GPU state pass (`delta_rule.pallas_mosaic_gpu.split`): the split logic with the
+lanes kernel replaced by a float64 numpy emulator of its contract, against the float64 token-by-token references;
+`split_lanes`, `choose_pieces` and the tuning checks; and, once `delta_rule.pallas_mosaic_gpu.state.state_lanes` is
+written, the public GDN entry with the real kernel in Mosaic GPU's interpreter. State "fused" (the fused GDN kernels in
+the same split): the public entry in the interpreter for P = 1, 2, 3 against float64, its declines, and its sm_90
+lowering.
 
 The emulator (`emulate_state_lanes`) follows `state_lanes`' docstring literally, map mode included (the same
 recurrence over the columns of [I | 0] with U replaced by [0 | U]); it poisons everything the contract leaves
@@ -19,13 +20,14 @@ import pytest
 
 from jaxckpt import ops
 from jaxckpt.ops.common import configs
-from jaxckpt.ops.common import pallas_mosaic_gpu_delta as mosaic_delta
-from jaxckpt.ops.common import pallas_mosaic_gpu_split as split
-from jaxckpt.ops.common import pallas_mosaic_gpu_state as lanes_kernel
-from jaxckpt.ops.common import pallas_triton_delta as triton_delta
-from jaxckpt.ops.common.delta_reference import delta_rule_reference
-from jaxckpt.ops.gdn import pallas_mosaic_gpu as gdn_mosaic
-from jaxckpt.ops.kda import pallas_mosaic_gpu as kda_mosaic
+from jaxckpt.ops.delta_rule import cumsum
+from jaxckpt.ops.delta_rule import pallas_triton as triton_delta
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import pipeline as gdn_mosaic
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import pipeline as kda_mosaic
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import pipeline as mosaic_delta
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import split
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import state as lanes_kernel
+from jaxckpt.ops.delta_rule.reference import delta_rule_reference
 from tests.numerics import rel_rms
 
 CHUNK = 64
@@ -97,7 +99,7 @@ def _lanes_numpy(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, k
 def emulate_state_lanes(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd, qg, aqk, lane_init,
                         checkpoints=None, *, per_channel_decay, group, num_tokens=None, map_mode=False, interpret=False,
                         state_layout="kv", state_terms=2):
-    """`pallas_mosaic_gpu_state.state_lanes` in float64 numpy (fp32 results), through a host callback; "vk":
+    """`delta_rule.pallas_mosaic_gpu.state.state_lanes` in float64 numpy (fp32 results), through a host callback; "vk":
     lane_init and every returned state transposed. Exact arithmetic: `state_terms` (the kernel's rounding) is moot."""
     del interpret, state_terms
     CALLS.append(dict(lanes=lane_first.shape[0], map_mode=map_mode, has_init=lane_init is not None))
@@ -175,7 +177,7 @@ def prepared(request):
     clean = {name: np.nan_to_num(x) for name, x in inputs.items()}
     arrays = {name: jnp.asarray(x) for name, x in inputs.items()}
     meta = {name: jnp.asarray(options[name]) for name in ("cu_seqlens", "checkpoint_cu", "checkpoint_offsets")}
-    p = triton_delta.prepare(**arrays, per_channel_decay=per_channel, scale=None, use_qk_l2norm=True, **meta,
+    p = cumsum.prepare(**arrays, per_channel_decay=per_channel, scale=None, use_qk_l2norm=True, **meta,
                              chunk_size=CHUNK, interpret=True)
     intermediates = triton_delta.intra_v2(p, per_channel_decay=per_channel, chunk_size=CHUNK, interpret=True)
     o, final, ckpt = reference(clean, options, per_channel=per_channel)
@@ -333,7 +335,7 @@ def test_public_entry_state_v2_pieces_in_the_interpreter(op, pieces):
     except NotImplementedError as error:
         if "not written" not in str(error):
             raise
-        pytest.skip("pallas_mosaic_gpu_state.state_lanes: kernel not written yet")
+        pytest.skip("delta_rule.pallas_mosaic_gpu.state.state_lanes: kernel not written yet")
     for name, a, r in zip(("o", "final", "ckpt"), got, expected):
         a = np.asarray(a, np.float32)
         assert a.shape == r.shape and np.isfinite(a).all(), name
@@ -355,7 +357,7 @@ def test_split_lowers_for_sm90(per_channel):
 
     def fn(cu, ccu, offsets, q, k, G, w, u, kd, qg, aqk, init):
         lay = chunk_layout(cu, ccu, offsets, chunk_size=CHUNK, num_tokens=T, xp=jnp)
-        p = triton_delta.Prepared(q, k, None, None, G, lay, cu, ccu, 1.0, bf)
+        p = cumsum.Prepared(q, k, None, None, G, lay, cu, ccu, 1.0, bf)
         return split.state_pass_split(p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel, pieces=4)
 
     tile = lambda width: arg((H, NC, CHUNK, width), bf)  # noqa: E731
@@ -447,7 +449,7 @@ def test_fused_split_lowers_for_sm90():
 
     def fn(cu, ccu, offsets, q, k, v, beta, G, init):
         lay = chunk_layout(cu, ccu, offsets, chunk_size=CHUNK, num_tokens=T, xp=jnp)
-        p = triton_delta.Prepared(q, k, v, beta, G, lay, cu, ccu, 0.1, bf)
+        p = cumsum.Prepared(q, k, v, beta, G, lay, cu, ccu, 0.1, bf)
         return split.fused_pass_split(p, init, pieces=4)
 
     args = (arg((2,), jnp.int32), arg((2,), jnp.int32), arg((3,), jnp.int32), arg((T, H, D), bf), arg((T, H, D), bf),

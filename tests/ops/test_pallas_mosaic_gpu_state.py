@@ -1,4 +1,4 @@
-"""The Mosaic GPU state pass (`pallas_mosaic_gpu_state.state_lanes`, `state_pass_v2`) under Mosaic GPU's CPU
+"""The Mosaic GPU state pass (`delta_rule.pallas_mosaic_gpu.state.state_lanes`, `state_pass_v2`) under Mosaic GPU's CPU
 interpreter, against a float64 numpy implementation of the contract (written from its docstring, independent of the
 kernels), on random tiles and on the pipeline's own intermediates; the sm_90 lowering of every variant through
 `jax.export`.
@@ -21,12 +21,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
+
 # no public accessor in jax 0.11.2 for the race detector's verdict
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxckpt.ops.common import pallas_mosaic_gpu_state as mgs
-from jaxckpt.ops.common import pallas_triton_delta as triton_delta
+from jaxckpt.ops.delta_rule import cumsum
+from jaxckpt.ops.delta_rule import pallas_triton as triton_delta
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import state as mgs
 from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.interpret
@@ -184,7 +186,7 @@ def pipeline_case(seed, channel):
     for name in x:
         x[name][cu_seqlens[-1]:] = np.nan
     x = {name: jnp.asarray(a, jnp.bfloat16 if name in "qkv" else jnp.float32) for name, a in x.items()}
-    p = triton_delta.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], per_channel_decay=channel, scale=None,
+    p = cumsum.prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], per_channel_decay=channel, scale=None,
                              use_qk_l2norm=True, cu_seqlens=jnp.asarray(cu_seqlens),
                              checkpoint_cu=jnp.array([0, 0, 0, 2, 2, 6], jnp.int32),
                              checkpoint_offsets=jnp.array([1, 35, 63, 64, 65, 82, 0], jnp.int32), chunk_size=C,
@@ -249,6 +251,7 @@ def test_no_races_float16():
 def test_lowers_for_sm90(monkeypatch, channel, mode, head_k, head_v, publish_slots, stages):
     # the register-A wgmma path (interpreted through SMEM above) and the SMEM budget, lowered for sm_90 on CPU
     from jax import export
+
     # private: the kernel's SMEM bytes, as Mosaic GPU sizes them for the launch
     from jax.experimental.mosaic.gpu import core as mosaic_core
 

@@ -13,12 +13,8 @@ import numpy as np
 import pytest
 
 from jaxckpt import ops
-from jaxckpt.ops.common import sequence_parallel as sp
-from jaxckpt.ops.gdn import reference as gdn_reference
-from jaxckpt.ops.gdn import sequence_parallel as gdn_sp
-from jaxckpt.ops.gdn import xla as gdn_xla
-from jaxckpt.ops.kda import reference as kda_reference
-from jaxckpt.ops.kda import sequence_parallel as kda_sp
+from jaxckpt.ops.delta_rule import reference, xla
+from jaxckpt.ops.delta_rule import sequence_parallel as sp
 from tests.numerics import rel_rms
 from tests.vectors.loader import check_case, load_cases
 
@@ -163,13 +159,12 @@ def test_gdn_matches_reference(base, piece_cuts, layout, compose, correction):
     init = make_initial_state(rng, 16, 32, layout)
     kwargs = varlen(init, layout)
     options = dict(piece_len=48, piece_cuts=piece_cuts, compose=compose, correction=correction, **base_options(base))
-    choice, _ = sp.resolve(*(jnp.asarray(x) for x in inputs.values()), chunk_size=CHUNK, options=options,
-                           pallas_supports=gdn_sp._pallas_supports)
+    choice, _ = sp.resolve(*(jnp.asarray(x) for x in inputs.values()), chunk_size=CHUNK, options=options)
     # the Pallas base takes the Pallas output correction unless told otherwise
     assert choice["correction"] == (correction or ("pallas" if base == "pallas_triton" else "xla"))
-    out = gdn_sp.gated_delta_rule(**inputs, **kwargs, chunk_size=CHUNK, **options)
+    out = sp.gated_delta_rule(**inputs, **kwargs, chunk_size=CHUNK, **options)
     assert out[0].dtype == jnp.float32 and out[1].dtype == out[2].dtype == jnp.float32
-    assert_matches(out, gdn_reference.gated_delta_rule(**inputs, **kwargs), FP32_TOL)
+    assert_matches(out, reference.gated_delta_rule(**inputs, **kwargs), FP32_TOL)
 
 
 @pytest.mark.parametrize("base, piece_cuts, gate", [
@@ -186,8 +181,8 @@ def test_kda_matches_reference(base, piece_cuts, gate):
                            dt_bias=rng.normal(size=HV * 32).astype(np.float32))
     init = make_initial_state(rng, 32, 16, "kv")
     kwargs = varlen(init, "kv", **gate_kwargs)
-    out = kda_sp.kda(**inputs, **kwargs, chunk_size=CHUNK, piece_len=64, piece_cuts=piece_cuts, **base_options(base))
-    assert_matches(out, kda_reference.kda(**inputs, **kwargs), FP32_TOL)
+    out = sp.kda(**inputs, **kwargs, chunk_size=CHUNK, piece_len=64, piece_cuts=piece_cuts, **base_options(base))
+    assert_matches(out, reference.kda(**inputs, **kwargs), FP32_TOL)
 
 
 @pytest.mark.parametrize("per_channel, base", [
@@ -200,8 +195,8 @@ def test_piece_boundaries_at_and_off_checkpoints_give_the_same_checkpoints(per_c
     inputs = make_inputs(rng, 16, 16, per_channel=per_channel)
     init = make_initial_state(rng, 16, 16, "kv")
     kwargs = varlen(init, "kv")
-    op, ref = (kda_sp.kda, kda_reference.kda) if per_channel else (gdn_sp.gated_delta_rule,
-                                                                    gdn_reference.gated_delta_rule)
+    op, ref = (sp.kda, reference.kda) if per_channel else (sp.gated_delta_rule,
+                                                                    reference.gated_delta_rule)
     expected = ref(**inputs, **kwargs)
     runs = {}
     for piece_len, piece_cuts in ((32, "checkpoints"), (32, "grid"), (48, "snap")):
@@ -229,8 +224,8 @@ def test_bfloat16_inputs_land_in_the_bf16_class(per_channel, base):
     inputs = make_inputs(rng, 16, 16, per_channel=per_channel, dtype=ml_dtypes.bfloat16)
     init = make_initial_state(rng, 16, 16, "kv")
     kwargs = varlen(init, "kv")
-    op, ref = (kda_sp.kda, kda_reference.kda) if per_channel else (gdn_sp.gated_delta_rule,
-                                                                    gdn_reference.gated_delta_rule)
+    op, ref = (sp.kda, reference.kda) if per_channel else (sp.gated_delta_rule,
+                                                                    reference.gated_delta_rule)
     out = op(**{name: jnp.asarray(x) for name, x in inputs.items()}, **kwargs, chunk_size=CHUNK, piece_len=32,
              **base_options(base))
     assert out[0].dtype == jnp.bfloat16 and out[1].dtype == out[2].dtype == jnp.float32
@@ -245,8 +240,8 @@ def test_one_long_row_with_an_initial_state_and_one_checkpoint():
     init = rng.normal(size=(1, HV, 16, 16)).astype(np.float32)
     kwargs = dict(initial_state=init, checkpoint_cu=np.array([0, 1], np.int32),
                   checkpoint_offsets=np.array([256], np.int32), use_qk_l2norm=True)
-    out = gdn_sp.gated_delta_rule(**inputs, **kwargs, chunk_size=CHUNK, piece_len=32, base="xla")
-    expected = gdn_reference.gated_delta_rule(**inputs, **kwargs)
+    out = sp.gated_delta_rule(**inputs, **kwargs, chunk_size=CHUNK, piece_len=32, base="xla")
+    expected = reference.gated_delta_rule(**inputs, **kwargs)
     for a, e in zip(out, expected):
         assert rel_rms(a, e) <= FP32_TOL
 
@@ -258,9 +253,9 @@ def test_falls_back_to_the_plain_base_where_pieces_do_not_pay():
     kwargs = dict(initial_state=init, cu_seqlens=CU_SEQLENS, checkpoint_cu=CHECKPOINT_CU,
                   checkpoint_offsets=CHECKPOINT_OFFSETS, use_qk_l2norm=True, chunk_size=CHUNK)
     # one piece would hold every token, and the default heuristic at this tiny shape: the plain XLA call, bitwise
-    plain = gdn_xla.gated_delta_rule(**inputs, **kwargs)
+    plain = xla.gated_delta_rule(**inputs, **kwargs)
     for options in (dict(piece_len=NUM_TOKENS), {}):
-        out = gdn_sp.gated_delta_rule(**inputs, **kwargs, base="xla", **options)
+        out = sp.gated_delta_rule(**inputs, **kwargs, base="xla", **options)
         for a, b in zip(out, plain):
             np.testing.assert_array_equal(a, b)
 
@@ -315,7 +310,7 @@ def test_traced_metadata_compiles_once():
                              ([0, 0, 70, 96], [0, 0, 3, 4], [16, 32, 69, 5])]:
         cu, ccu, offsets = (np.asarray(x, np.int32) for x in (cu, ccu, offsets))
         got = run(cu, ccu, offsets)
-        expected = gdn_reference.gated_delta_rule(**inputs, cu_seqlens=cu, checkpoint_cu=ccu,
+        expected = reference.gated_delta_rule(**inputs, cu_seqlens=cu, checkpoint_cu=ccu,
                                                   checkpoint_offsets=offsets, use_qk_l2norm=True)
         for a, b in zip(got, expected):
             assert rel_rms(a, b) <= FP32_TOL
@@ -329,11 +324,13 @@ def test_unsupported_calls_name_their_reason():
                              (dict(base="cuda"), "base: "), (dict(piece_len=0), "piece_len: "),
                              (dict(base="xla", num_warps=4), "tuning: "),
                              (dict(base="pallas_triton"), "base: ")]:  # no GPU and no interpret=True here
-        assert gdn_sp.supports(*inputs.values(), **options).startswith(message)
+        assert sp.supports(*inputs.values(), **options).startswith(message)
     with pytest.raises(ValueError, match="implementation: 'sequence_parallel' does not support this call: base: "):
         ops.gated_delta_rule(*inputs.values(), config=ops.SequenceParallelConfig(base="pallas_triton"))
-    assert gdn_sp.supports(*inputs.values()) is None  # the XLA base, here on CPU
-    assert kda_sp.supports(*inputs.values()).startswith("g: ")
+    assert sp.supports(*inputs.values()) is None  # the XLA base, here on CPU
+    assert sp.supports(*dict(inputs, g=inputs["g"][..., None]).values()).startswith("g: ")
+    with pytest.raises(ValueError, match="^g: "):
+        sp.kda(*inputs.values())
 
 
 # ---------------------------------------------------------------------------------------------------------------

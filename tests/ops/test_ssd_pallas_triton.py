@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from jaxckpt import ops
-from jaxckpt.ops.ssd import pallas_triton
-from jaxckpt.ops.ssd import reference
+from jaxckpt.ops.ssd import pallas_triton, reference
 from tests.numerics import rel_rms
 
 pytestmark = pytest.mark.interpret

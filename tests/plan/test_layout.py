@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxckpt.plan import chunk_layout, max_chunks, split_layout, bucket_size
+from jaxckpt.plan import bucket_size, chunk_layout, max_chunks, split_layout
 
 
 def random_batch(rng, num_rows, max_len, max_ckpt, padding=0):

@@ -10,14 +10,20 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from jaxckpt.ops.gdn.reference import gated_delta_rule as gdn_reference  # noqa: E402
-from jaxckpt.ops.kda.reference import kda as kda_reference  # noqa: E402
+from jaxckpt.ops.delta_rule.reference import gated_delta_rule as gdn_reference  # noqa: E402
+from jaxckpt.ops.delta_rule.reference import kda as kda_reference  # noqa: E402
 from jaxckpt.plan.conventions import NULL_SLOT, PAD_CHECKPOINT_OFFSET  # noqa: E402
-from tests.torch_bridge.helpers import assert_each_raises, check_outputs, two_row_paged_options  # noqa: E402
 from tests.numerics import rel_rms  # noqa: E402
-from torch_bridge.ops.fla_prefill import (chunk_gated_delta_rule_split, chunk_gated_delta_rule_split_paged,  # noqa
-                                          chunk_kda_native, chunk_kda_native_paged, chunk_kda_split,
-                                          chunk_kda_split_paged, split_prefill)
+from tests.torch_bridge.helpers import assert_each_raises, check_outputs, two_row_paged_options  # noqa: E402
+from torch_bridge.ops.fla_prefill import (  # noqa
+    chunk_gated_delta_rule_split,
+    chunk_gated_delta_rule_split_paged,
+    chunk_kda_native,
+    chunk_kda_native_paged,
+    chunk_kda_split,
+    chunk_kda_split_paged,
+    split_prefill,
+)
 
 BOUND = 1e-6
 

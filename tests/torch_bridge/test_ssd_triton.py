@@ -9,8 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.torch_bridge.helpers import (assert_each_raises, check_outputs, triton_device,  # noqa: E402
-                                        two_row_paged_options)
+from tests.torch_bridge.helpers import assert_each_raises, check_outputs, triton_device, two_row_paged_options  # noqa: E402
 
 DEVICE = triton_device("torch_bridge.ops.ssd")
 

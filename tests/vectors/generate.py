@@ -18,8 +18,17 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from tests.vectors.loader import OPS, OUTPUT_NAMES, SAFETENSORS_DTYPES, SEMANTICS_VERSION, Case, load_cases, \
-    load_metadata, tolerance_metadata, vector_path
+from tests.vectors.loader import (
+    OPS,
+    OUTPUT_NAMES,
+    SAFETENSORS_DTYPES,
+    SEMANTICS_VERSION,
+    Case,
+    load_cases,
+    load_metadata,
+    tolerance_metadata,
+    vector_path,
+)
 
 SEED = 20261130
 GENERATOR = "tests/vectors/generate.py"
@@ -185,10 +194,10 @@ def _kda(spec, rng):
 def reference(op: str):
     """The op's float64 reference function."""
     if op == "gdn":
-        from jaxckpt.ops.gdn.reference import gated_delta_rule
+        from jaxckpt.ops.delta_rule.reference import gated_delta_rule
         return gated_delta_rule
     if op == "kda":
-        from jaxckpt.ops.kda.reference import kda
+        from jaxckpt.ops.delta_rule.reference import kda
         return kda
     if op == "ssd":
         from jaxckpt.ops.ssd.reference import ssd

@@ -16,6 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 from safetensors import deserialize, safe_open
+
 from tests.numerics import as_float64, rel_rms
 
 OPS = ("gdn", "kda", "ssd", "conv1d")

@@ -22,11 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from jaxckpt.plan.conventions import (NULL_SLOT, check_positive, check_state_layout, checkpoint_rows,
-                                      validate_checkpoints, validate_cu_seqlens)
-from torch_bridge.interop import host_flags, host_ints, vllm_slots
+from jaxckpt.plan.conventions import (
+    NULL_SLOT,
+    check_positive,
+    check_state_layout,
+    checkpoint_rows,
+    validate_checkpoints,
+    validate_cu_seqlens,
+)
+from torch_bridge.interop import check_float_tensor, host_flags, host_ints, vllm_slots
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK = 512
 
 
@@ -89,14 +94,9 @@ def _device_ints(array, device: torch.device) -> torch.Tensor:
 
 
 def _check_tensor(t, *, name: str, ndim: int, device: torch.device, shape: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check_float_tensor(t, device, name=name, device_of="x")
     if t.ndim != ndim:
         raise ValueError(f"{name}: expected {shape}, got shape {tuple(t.shape)}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name}: dtype must be float32, float16 or bfloat16, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name}: on {t.device}, expected the device of x ({device})")
     return t
 
 

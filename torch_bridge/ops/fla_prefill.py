@@ -33,14 +33,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from jaxckpt.plan.checks import check_kda_gate
 from jaxckpt.plan.conventions import check_state_layout
 from jaxckpt.plan.layout import chunk_layout, split_layout
-from torch_bridge.interop import (check_pool, gather_states, host_metadata, pool_slots, write_states)
+from torch_bridge.interop import check_float_tensor, check_pool, gather_states, host_metadata, pool_slots, write_states
 from torch_bridge.spec import FLA_KDA_ALIGNMENT
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-# jaxckpt's range for KDA's bounded gate (FLA's safe-gate range), so both sides of the bridge take the same gates
-_LOWER_BOUND_RANGE = (-5.0, 0.0)
 
 
 def _fla_gdn():
@@ -55,43 +52,20 @@ def _fla_kda():
     return chunk_kda
 
 
-def _check_tensor(name: str, t, device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device != device:
-        raise ValueError(f"{name}: on {t.device}, expected the device of q ({device})")
-    if t.dtype not in _FLOATS:
-        raise ValueError(f"{name}: dtype must be float32, float16 or bfloat16, got {t.dtype}")
-
-
-def _check_parameter(name: str, t, shapes: tuple, device) -> None:
-    _check_tensor(name, t, device)
-    if tuple(t.shape) not in shapes:
-        raise ValueError(f"{name}: expected shape {' or '.join(map(str, shapes))}, got {tuple(t.shape)}")
-
-
-def _fla_options(*, per_channel: bool, num_v_heads: int, dim_k: int, device, use_qk_l2norm: bool, A_log, dt_bias,
-                 lower_bound) -> dict:
-    """The user's model options under FLA's keyword names, checked here because FLA's Triton gate would read a
-    wrong-sized A_log or dt_bias out of bounds instead of raising."""
+def _fla_options(*, per_channel: bool, g, device, use_qk_l2norm: bool, A_log, dt_bias, lower_bound) -> dict:
+    """The user's model options under FLA's keyword names, checked here (g is the gate [T, HV, K]) because FLA's Triton
+    gate would read a wrong-sized A_log or dt_bias out of bounds instead of raising."""
     options = dict(use_qk_l2norm_in_kernel=use_qk_l2norm)
     if not per_channel:
         for name, value in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
             if value is not None:
                 raise ValueError(f"{name}: the fused gate is KDA's (per_channel); GDN's g is the log decay itself")
         return options
-    if lower_bound is not None:
-        low, high = _LOWER_BOUND_RANGE
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float, np.integer, np.floating)) \
-                or not low <= lower_bound < high:
-            raise ValueError(f"lower_bound: must be a number in [{low:g}, {high:g}), got {lower_bound!r}")
-    if A_log is not None:
-        _check_parameter("A_log", A_log, ((num_v_heads,),), device)
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if t is not None:
+            check_float_tensor(t, device, name=name, device_of="q")
+    check_kda_gate(g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     gated = A_log is not None or lower_bound is not None
-    if dt_bias is not None:
-        if not gated:
-            raise ValueError("dt_bias: only used with A_log or lower_bound; without them g is the log decay itself")
-        _check_parameter("dt_bias", dt_bias, ((num_v_heads, dim_k), (num_v_heads * dim_k,)), device)
     # FLA's Triton gate reads A_log and dt_bias by pointer as dense rows
     dense = lambda t: None if t is None else t.contiguous()  # noqa: E731
     return dict(options, use_gate_in_kernel=gated, A_log=dense(A_log), dt_bias=dense(dt_bias),
@@ -113,7 +87,7 @@ class _Inputs:
         lift = (lambda t: t) if self.batched else (lambda t: t.unsqueeze(0))
         named = dict(q=q, k=k, v=v, g=g, beta=beta)
         for name, t in named.items():
-            _check_tensor(name, t, q.device)
+            check_float_tensor(t, q.device, name=name, device_of="q")
         for name in ("k", "v"):
             if named[name].dtype != q.dtype:
                 raise ValueError(f"{name}: dtype {named[name].dtype} differs from q's {q.dtype}")
@@ -139,9 +113,8 @@ class _Inputs:
         self.state_shape = (num_v_heads, dim_k, dim_v) if state_layout == "kv" else (num_v_heads, dim_v, dim_k)
         self.cu, self.ccu, self.offsets = host_metadata(num_tokens, cu_seqlens, checkpoint_cu, checkpoint_offsets)
         self.num_rows = self.cu.size - 1
-        self.fla_options = _fla_options(per_channel=per_channel, num_v_heads=num_v_heads, dim_k=dim_k,
-                                        device=q.device, use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
-                                        lower_bound=lower_bound)
+        self.fla_options = _fla_options(per_channel=per_channel, g=g[0], device=q.device, use_qk_l2norm=use_qk_l2norm,
+                                        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
         if state_layout == "vk":
             self.fla_options["state_v_first"] = True
 

@@ -1,5 +1,6 @@
-"""Checkpoint tables over a chunk layout (`jaxckpt.plan.layout.chunk_layout(..., xp=jnp)`), in jnp so that the
-metadata may be traced: what the state passes of the Pallas kernels read to find the chunks holding checkpoints."""
+"""Tables over a chunk layout (`jaxckpt.plan.layout.chunk_layout(..., xp=jnp)`), in jnp so that the metadata may be
+traced: what the state passes of the Pallas kernels read to find the chunks holding checkpoints, and the lanes
+(rows cut into pieces) of the Mosaic GPU state passes."""
 
 from __future__ import annotations
 
@@ -37,3 +38,16 @@ def checkpoint_chunk_ranks(lay):
     prev = jnp.concatenate([jnp.full(1, -1, jnp.int32), chunk[:-1]])
     is_first = lay.checkpoint_valid & (chunk != prev)
     return jnp.maximum(jnp.cumsum(is_first).astype(jnp.int32) - 1, 0)
+
+
+def split_lanes(row_first_chunk, row_num_chunks, *, pieces):
+    """Each row's chunks cut into `pieces` contiguous ranges of balanced size (counts differ by at most one; a row
+    of fewer chunks than pieces leaves some empty), piece p of row n at lane n * pieces + p.
+
+    row_first_chunk, row_num_chunks     # i32[N] (`ChunkLayout`), may be traced
+    Returns (lane_first, lane_count) i32[N * pieces].
+    """
+    first = jnp.asarray(row_first_chunk, jnp.int32)[:, None]  # [N, 1]
+    count = jnp.asarray(row_num_chunks, jnp.int32)[:, None]
+    bounds = first + count * jnp.arange(pieces + 1, dtype=jnp.int32) // pieces  # [N, P + 1]
+    return bounds[:, :-1].reshape(-1), jnp.diff(bounds, axis=1).reshape(-1)

@@ -1,10 +1,10 @@
-"""Pieces shared by the Pallas Mosaic GPU kernels (the intra passes `pallas_mosaic_gpu_intra` for GDN and
-`pallas_mosaic_gpu_kda_intra` for KDA, the state passes `pallas_mosaic_gpu_delta`, `pallas_mosaic_gpu_state`,
-`pallas_mosaic_gpu_gdn_fused`, and SSD's `jaxckpt.ops.ssd.pallas_mosaic_gpu`): SMEM tile layouts, WGMMA-layout index
-helpers, hi + lo operand splits, the wgmma product sums, the TMA ring's producer loop and the stores of an output into
-the packed token layout (`token_staging`, `store_rows`, `store_zeros`), and the fp32 inverses of a tile's 16 x 16
-diagonal blocks by forward substitution (`block_diagonal_inverse`, for the intra passes' "blocked" inverse). Written
-against jax 0.11.2."""
+"""Pieces shared by the Pallas Mosaic GPU kernels (the intra passes `delta_rule.pallas_mosaic_gpu.intra` for GDN and
+`delta_rule.pallas_mosaic_gpu.kda_intra` for KDA, the state passes `delta_rule.pallas_mosaic_gpu.pipeline`,
+`delta_rule.pallas_mosaic_gpu.state`, `delta_rule.pallas_mosaic_gpu.gdn_fused`, and SSD's
+`jaxckpt.ops.ssd.pallas_mosaic_gpu`): SMEM tile layouts, WGMMA-layout index helpers, hi + lo operand splits, the wgmma
+product sums, the TMA ring's producer loop and the stores of an output into the packed token layout (`token_staging`,
+`store_rows`, `store_zeros`), and the fp32 inverses of a tile's 16 x 16 diagonal blocks by forward substitution
+(`block_diagonal_inverse`, for the intra passes' "blocked" inverse). Written against jax 0.11.2."""
 
 from __future__ import annotations
 
@@ -72,8 +72,8 @@ def key_scales(r2):
     """(d, 1 / d) per row, fp32, from the keys' squared norms r2: powers of two within a factor sqrt(2) of |k|
     (exactly 1 for |k|^2 in [0.5, 2), and for zero keys and padding rows), clamped to 2^+-30. The intra passes invert
     D (I + A) D^-1 = I + D A D^-1, whose entries beta_i (k_i . k_j) e^(G_i - G_j) d_i / d_j are at most
-    2 beta_i |k_i|^2 whatever the keys' norms, and map back exactly: T = D^-1 T' D (`pallas_mosaic_gpu_intra`,
-    "Range")."""
+    2 beta_i |k_i|^2 whatever the keys' norms, and map back exactly: T = D^-1 T' D
+    (`delta_rule.pallas_mosaic_gpu.intra`, "Range")."""
     n = lax.round(0.5 * jnp.log2(jnp.maximum(r2, 2.0 ** -126)), lax.RoundingMethod.TO_NEAREST_EVEN)
     n = jnp.where(r2 > 0, jnp.clip(n, -30.0, 30.0), 0.0)
     return jnp.exp2(n), jnp.exp2(-n)

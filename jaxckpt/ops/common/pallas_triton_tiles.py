@@ -1,4 +1,5 @@
-"""Pieces shared by the Pallas Triton kernels of the delta rule and SSD (`pallas_triton_delta`, `ssd.pallas_triton`)."""
+"""Pieces shared by the Pallas Triton kernels of the delta rule and SSD (`delta_rule.pallas_triton`,
+`delta_rule.cumsum`, `ssd.pallas_triton`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import dataclasses
 from typing import NamedTuple
 
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plt
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -83,3 +85,8 @@ class Dots:
 def row_mask(rows, length, shape):
     """bool[shape]: token rows below `length` (rows i32[shape[0]] broadcast over the trailing dims)."""
     return jnp.broadcast_to(rows.reshape(rows.shape + (1,) * (len(shape) - 1)) < length, shape)
+
+
+def load_tokens(ref_at, rows, length, shape):
+    """Masked load of token rows [start, start + rows.size) of a packed array; rows past `length` read 0."""
+    return plt.load(ref_at, mask=row_mask(rows, length, shape), other=0).astype(_F32)

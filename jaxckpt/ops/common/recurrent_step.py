@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxckpt.ops.common.delta_chunk import L2NORM_EPS
+from jaxckpt.ops.delta_rule.chunk import L2NORM_EPS
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

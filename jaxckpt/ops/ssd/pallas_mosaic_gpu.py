@@ -40,12 +40,12 @@ phase of its barriers (the interpreter checks it).
 
 Token layout. Chunks start wherever their row puts them, and Mosaic GPU issues a TMA between GMEM and an (8, 64)-
 tiled SMEM tile over the GMEM array tiled the same way, which drops rows at a start off the 8-row grid
-(`jaxckpt.ops.common.pallas_mosaic_gpu_delta` docstring, "TMA addresses"). A TMA into an *untiled* 128-byte-swizzled
-tile has no such limit, and for 64 two-byte columns (one 128-byte row) the untiled and the tiled layouts are the
-same bytes. So every operand tile is a [C, 64] piece allocated once as a `plgpu.RefUnion` of an untiled view (the
-TMA target) and a tiled view (the wgmma operand), and y leaves the same way: no chunk-major copies, no gathers.
-Checked on the H200 (a TMA at row 13 read back through the tiled view by a wgmma) and by the GPU tests; Mosaic GPU's
-interpreter keeps the two views apart, so under `interpret` the TMAs use the tiled view directly (the interpreter
+(`jaxckpt.ops.delta_rule.pallas_mosaic_gpu.pipeline` docstring, "TMA addresses"). A TMA into an *untiled*
+128-byte-swizzled tile has no such limit, and for 64 two-byte columns (one 128-byte row) the untiled and the tiled
+layouts are the same bytes. So every operand tile is a [C, 64] piece allocated once as a `plgpu.RefUnion` of an untiled
+view (the TMA target) and a tiled view (the wgmma operand), and y leaves the same way: no chunk-major copies, no
+gathers. Checked on the H200 (a TMA at row 13 read back through the tiled view by a wgmma) and by the GPU tests; Mosaic
+GPU's interpreter keeps the two views apart, so under `interpret` the TMAs use the tiled view directly (the interpreter
 copies any rows) and the token arrays get C zero rows appended (its TMA would clamp a box past the end; the GPU
 fills such rows with zeros). Rows of a chunk past its length hold the next row's tokens, padding (possibly NaN) or
 zeros: the state warpgroup masks x^T by a select and zeroes those rows of the B pieces in SMEM, the output
@@ -55,7 +55,7 @@ last, partial chunk leaves through a plain SMEM tile as TMA boxes of 32, 16, ...
 masked); the CTAs of one extra, empty lane write zeros over the padding tokens past the last row.
 
 Sequence split (`pieces`). A lane runs its chunks in order, so one row and few heads leave SMs idle ((1, 32768,
-32) at P = 64: 32 CTAs on 132 SMs). As for the delta rules (`pallas_mosaic_gpu_split`), every row is cut into
+32) at P = 64: 32 CTAs on 132 SMs). As for the delta rules (`delta_rule.pallas_mosaic_gpu.split`), every row is cut into
 `pieces` contiguous lanes. Here a piece's state map is S_end = m S_start + E with m = exp(sum of the piece's Acs_last)
 a scalar per head, so: (1) a state-only pass (no output warpgroup, no C tile) gives E for pieces 0 .. pieces-2 from
 zero states, (2) XLA scans start_{p+1} = m_p start_p + E_p (pieces - 1 elementwise steps, fp32; m_p from a
@@ -91,10 +91,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxckpt.ops.common import device
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
-from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges
+from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges, split_lanes
 from jaxckpt.ops.common.configs import MAX_SSD_PIECES
 from jaxckpt.ops.common.log_decay import floor_log_decay
-from jaxckpt.ops.common.pallas_mosaic_gpu_split import split_lanes
 from jaxckpt.ops.common.xla_arrays import check_ssd_inputs, packed_metadata, ssd_delta, ssd_initial_state
 from jaxckpt.plan.conventions import check_state_layout
 from jaxckpt.plan.layout import chunk_layout, searchsorted

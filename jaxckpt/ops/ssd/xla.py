@@ -25,8 +25,7 @@ from jax import lax
 
 from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
 from jaxckpt.ops.common.log_decay import pair_log_decays, suffix_log_decays
-from jaxckpt.ops.common.xla_arrays import (check_ssd_inputs, compute_dtype, packed_metadata, ssd_delta,
-                                           ssd_initial_state)
+from jaxckpt.ops.common.xla_arrays import check_ssd_inputs, compute_dtype, packed_metadata, ssd_delta, ssd_initial_state
 from jaxckpt.plan.conventions import check_positive, check_state_layout
 from jaxckpt.plan.layout import chunk_layout
 

@@ -4,20 +4,18 @@ wgmma + TMA), exporting checkpoint states from inside the state pass: the pipeli
 Written against jax 0.11.2 (`jax.experimental.pallas.mosaic_gpu` as plgpu: `plgpu.kernel`, Lane lowering
 semantics); the Mosaic GPU API changes between jax releases, so check this module when jax moves.
 
-`delta_rule_mosaic` has `pallas_triton_delta.delta_rule`'s contract and results. It runs the Triton gate cumsum
-(`pallas_triton_delta.prepare`), an intra pass writing chunk-major w, u, kd, qg, aqk [HV, NC, C, *] in the 16-bit
-input dtype (the Mosaic GPU kernels of `pallas_mosaic_gpu_intra` / `pallas_mosaic_gpu_kda_intra`), then a state
-pass chosen by `state` (defaults: `default_tuning`): "v2", the lanes
-kernel of `pallas_mosaic_gpu_state` (the default), or "fused" (GDN: `pallas_mosaic_gpu_gdn_fused`, which replaces
-the intra pass). Both fuse the output:
+`delta_rule_mosaic` has `delta_rule.pallas_triton.delta_rule`'s contract and results. It runs the shared first stage
+(`delta_rule.cumsum.prepare`: layout, norms, the gate cumsum), an intra pass writing chunk-major w, u, kd, qg, aqk
+[HV, NC, C, *] in the 16-bit input dtype (the Mosaic GPU kernels of `intra` / `kda_intra`), then a state pass chosen
+by `state` (defaults: `default_tuning`): "v2", the lanes kernel of `state` (the default), or "fused" (GDN:
+`gdn_fused`, which replaces the intra pass). Both fuse the output:
 
     per row n, value head h, V block j (BV = 64 columns), S = S[:, cols] fp32 [K, BV], for the row's chunks c:
     v_new = U_c - W_c S;   O_c = QG_c S + AQK_c v_new;   S <- exp(G_last) S + KD_c^T v_new
     (KDA: exp(G_last) is a [K] vector scaling the rows of S.)
 
-Both run behind the sequence split (`pallas_mosaic_gpu_split`); the cumsum launch is shared. Both store O straight
-into the token layout [T, HV, V] with the padding tokens zero (an untiled TMA view, `pallas_mosaic_gpu_state`
-docstring, "O").
+Both run behind the sequence split (`split`); the cumsum launch is shared. Both store O straight into the token
+layout [T, HV, V] with the padding tokens zero (an untiled TMA view, `state` docstring, "O").
 
 Precision of the state chain: wgmma takes 16-bit operands, so with `state_terms=2` the fp32 S and v_new feed the
 state-feeding products as an unevaluated sum x_hi + x_lo of two 16-bit tiles (x_hi = x rounded, x_lo = the
@@ -56,12 +54,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxckpt.ops.common import device
-from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as gdn_fused
-from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mosaic_intra
-from jaxckpt.ops.common import pallas_mosaic_gpu_kda_intra as mosaic_kda_intra
-from jaxckpt.ops.common import pallas_mosaic_gpu_split as mosaic_split
-from jaxckpt.ops.common import pallas_triton_delta as triton_delta
 from jaxckpt.ops.common.configs import MAX_MOSAIC_PIECES
+from jaxckpt.ops.delta_rule import cumsum
+from jaxckpt.ops.delta_rule.backend import gate_reason, kernel_entries
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import gdn_fused
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import intra as mosaic_intra
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import kda_intra as mosaic_kda_intra
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import split as mosaic_split
 from jaxckpt.plan.layout import max_chunks
 
 CHUNK = 64
@@ -69,7 +68,6 @@ HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 STATES = ("v2", "fused")
 TUNING_KEYS = ("intra_num_warps", "num_stages", "state", "pieces", "kda_score_parts", "state_terms", "intra_inverse")
-_CUMSUM_TUNING = ("intra_num_warps", "num_stages")  # the Triton gate cumsum launch (`pallas_triton_delta.prepare`)
 # state "fused" forms the intra products itself (`gdn_kkt` and the lanes loop); the cumsum launch keeps its tuning
 _NOT_FUSED = ("kda_score_parts", "intra_inverse")
 # the Mosaic GPU intra kernels' options as the op names them
@@ -82,7 +80,7 @@ def default_tuning(*, per_channel_decay, state=None):
     with the sequence split chosen from the shapes and one 16-bit term per product on the state chain (`state_terms=1`,
     FLA's precision: 17-19% less device time for GDN at one row, states still below FLA's error on the parity problem);
     the Mosaic GPU intra pass (GDN: 2.9x faster than the Triton one; KDA: fp16 score operands, 2.6x faster) for keys of
-    any norm (its inverse is scaled by the keys' norms, `pallas_mosaic_gpu_intra`, "Range")."""
+    any norm (its inverse is scaled by the keys' norms, `intra`, "Range")."""
     state = state or "v2"
     return dict(state=state, pieces="auto", state_terms=1)
 
@@ -112,8 +110,9 @@ def _grid_reason(q, v, *, num_rows, num_chunks, state, pieces) -> str | None:
 
 
 def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=None, **tuning) -> str | None:
-    """None when this backend can run the call, else the reason (so the caller can fall back to the next
-    implementation). An option given as None means its default, as in `delta_rule_mosaic`.
+    """None when `gated_delta_rule` (g [T, HV]) or `kda` (g [T, HV, K]) can run the call here, else the reason (so
+    the caller can fall back to the next implementation). An option given as None means its default, as in
+    `delta_rule_mosaic`.
 
     `cu_seqlens` (i32[N + 1], may be traced: only its static shape is read) sizes the launch grids exactly: the
     chunk layout has T // 64 + N chunks (`prepare`), the state passes N x pieces lanes. Left out, the call is one
@@ -121,6 +120,9 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=Non
     out gets one row's grid checks, and a grid past CUDA's caps is then a ValueError of `delta_rule_mosaic` (or of
     the intra kernel) at trace time instead of a reason here.
     """
+    reason = gate_reason(q, g)
+    if reason is not None:
+        return reason
     if cu_seqlens is not None and (np.ndim(cu_seqlens) != 1 or np.shape(cu_seqlens)[0] < 2):
         return f"cu_seqlens: expected i32[N + 1] with N >= 1, got shape {np.shape(cu_seqlens)}"
     tuning = {key: value for key, value in tuning.items() if value is not None}
@@ -174,10 +176,6 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=Non
         reason = intra_module.supports(q, k, v, beta, G, chunk=chunk_size, interpret=interpret, **mosaic_tuning)
         if reason is not None:
             return f"intra pass: {reason}"
-    cumsum_tuning = {key: value for key, value in tuning.items() if key in _CUMSUM_TUNING}
-    reason = triton_delta.supports(q, k, v, g, beta, chunk_size=chunk_size, interpret=interpret, **cumsum_tuning)
-    if reason is not None:
-        return f"gate cumsum (pallas_triton): {reason}"
     if not interpret and not device.is_hopper():
         return "backend: the Mosaic GPU state pass needs a Hopper GPU (sm_90, wgmma) or interpret=True"
     return None
@@ -187,7 +185,8 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
                       cu_seqlens=None, checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64,
                       interpret=False, intra_num_warps=4, num_stages=2, state=None, pieces=None,
                       kda_score_parts=None, state_terms=None, intra_inverse=None):
-    """`pallas_triton_delta.delta_rule` with the Mosaic GPU state pass (module docstring); same arguments and results.
+    """`delta_rule.pallas_triton.delta_rule` with the Mosaic GPU state pass (module docstring); same arguments and
+    results.
 
     q, k                # [T, H, K] 16-bit
     v                   # [T, HV, V] same dtype
@@ -196,20 +195,20 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     initial_state       # [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk"); None = zeros
     cu_seqlens          # i32[N + 1]; None = one row over all T tokens
     checkpoint_cu       # i32[N + 1] with checkpoint_offsets i32[M]; both None = no checkpoints
-    The intra pass (`pallas_mosaic_gpu_intra.gdn_intra` / `pallas_mosaic_gpu_kda_intra.kda_intra`) takes the
+    The intra pass (`intra.gdn_intra` / `kda_intra.kda_intra`) takes the
     latter's `score_parts` as kda_score_parts (2 feeds the score products as hi + lo pairs) and both kernels'
     `inverse` as intra_inverse ("f16", "split" or "blocked", None their default); intra_num_warps and num_stages tune
     the Triton gate cumsum launch. `interpret`: True runs every kernel on CPU; a `plgpu.InterpretGPUParams` (e.g.
     detect_races=True) does too, with those settings for the Mosaic GPU interpreter. Left out, state and pieces take
     `default_tuning`'s values.
-    `state`: the state pass, "v2" (the lanes kernel, `pallas_mosaic_gpu_state.state_lanes`, through
-    `pallas_mosaic_gpu_split.state_pass_split`) or, GDN only,
-    "fused" (`pallas_mosaic_gpu_gdn_fused`: `gdn_kkt` and then the fused state loop `gdn_fused_lanes`, which forms
-    the intra products itself and never writes w, u, kd, qg, aqk; through `pallas_mosaic_gpu_split.fused_pass_split`;
+    `state`: the state pass, "v2" (the lanes kernel, `state.state_lanes`, through
+    `split.state_pass_split`) or, GDN only,
+    "fused" (`gdn_fused`: `gdn_kkt` and then the fused state loop `gdn_fused_lanes`, which forms
+    the intra products itself and never writes w, u, kd, qg, aqk; through `split.fused_pass_split`;
     it replaces the intra pass, so the intra options are rejected with it, while intra_num_warps and
     num_stages still tune the cumsum launch); `pieces`: each row cut into that many pieces
     run in parallel and joined exactly by their affine state maps (1: the plain pass over whole rows), or "auto" for
-    `pallas_mosaic_gpu_split.choose_pieces` (1 unless the plain pass leaves most SMs idle); `state_terms`: 2 feeds
+    `split.choose_pieces` (1 unless the plain pass leaves most SMs idle); `state_terms`: 2 feeds
     the state chain's products as 16-bit hi + lo pairs, 1 (default) as one 16-bit term each, FLA's and jla's
     precision, for a shorter chain.
 
@@ -232,10 +231,10 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
         raise ValueError("state: 'fused' is the fused GDN pass (a scalar decay per token), not KDA's")
     num_tokens = q.shape[0]
     triton_interpret = bool(interpret)  # the Triton kernels take the HLO interpreter, whatever the Mosaic GPU one
-    p = triton_delta.prepare(q, k, v, g, beta, per_channel_decay=per_channel_decay, scale=scale,
-                             use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
-                             checkpoint_offsets=checkpoint_offsets, chunk_size=chunk_size, interpret=triton_interpret,
-                             intra_num_warps=intra_num_warps, num_stages=num_stages)
+    p = cumsum.prepare(q, k, v, g, beta, per_channel_decay=per_channel_decay, scale=scale,
+                       use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
+                       checkpoint_offsets=checkpoint_offsets, chunk_size=chunk_size, interpret=triton_interpret,
+                       intra_num_warps=intra_num_warps, num_stages=num_stages)
     init = None
     if initial_state is not None:
         init = initial_state.astype(_F32)
@@ -268,3 +267,8 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     if state_layout == "vk":
         final_state, checkpoint_states = final_state.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
     return o, final_state, checkpoint_states
+
+
+gated_delta_rule, kda = kernel_entries(delta_rule_mosaic, supports, TUNING_KEYS,
+                                       inputs="q, k, v in one 16-bit dtype, K and V in (64, 128); `chunk_size` 64",
+                                       config="jaxckpt.ops.DeltaPallasMosaicGpuConfig")

@@ -2,8 +2,8 @@
 
 Written for clarity, not speed: a Python loop over rows and tokens, numpy over heads. Every input is upcast to float64
 before any arithmetic, so the result does not depend on the input dtype beyond the rounding of the inputs themselves.
-The recurrence and the meaning of initial, final and checkpoint states are in `jaxckpt/ops/gdn/README.md` and
-`jaxckpt/ops/kda/README.md`.
+The recurrence, the KDA gate and the meaning of initial, final and checkpoint states are in README.md beside this
+file. `gated_delta_rule`, `kda` and `kda_gate` are the ground truth every implementation is tested against.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from jaxckpt.plan.checks import delta_dims
+from jaxckpt.plan.checks import check_kda_gate, delta_dims
 from jaxckpt.plan.conventions import check_state_layout, validate_checkpoints, validate_cu_seqlens
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -116,3 +116,73 @@ def delta_rule_reference(q, k, v, g, beta, *, per_channel_decay: bool, scale=Non
         final_state = final_state.swapaxes(-1, -2).copy()
         checkpoint_states = checkpoint_states.swapaxes(-1, -2).copy()
     return o, final_state, checkpoint_states
+
+
+def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None, cu_seqlens=None,
+                     checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv"):
+    """Gated delta rule with a scalar log decay per token and value head, in float64.
+
+    q, k                # [T, H, K]; optionally L2-normalized here (`use_qk_l2norm`); q is multiplied by `scale`
+                        # (default K**-0.5)
+    v                   # [T, HV, V]; HV a multiple of H, value head h reads key head h // (HV // H)
+    g                   # [T, HV] log decay (<= 0 expected, not enforced)
+    beta                # [T, HV]
+    initial_state       # [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk"); None = zeros
+    cu_seqlens          # i32[N + 1]; None = one row over all T tokens
+    checkpoint_cu       # i32[N + 1], CSR with checkpoint_offsets i32[M] (offsets relative to the row start)
+    Inputs may be float16, bfloat16, float32 or float64; everything is computed in float64.
+
+    Returns (o [T, HV, V], final_state [N, HV, K, V] or [N, HV, V, K], checkpoint_states [M, HV, K, V] or
+    [M, HV, V, K]), float64 numpy. The checkpoint at offset p is the state after the row's first p tokens; padded
+    checkpoint entries and padding tokens give zeros.
+    """
+    return delta_rule_reference(q, k, v, g, beta, per_channel_decay=False, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                initial_state=initial_state, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
+                                checkpoint_offsets=checkpoint_offsets, state_layout=state_layout)
+
+
+def _softplus(x):
+    return np.logaddexp(0.0, x)
+
+
+def _sigmoid(x):
+    return np.exp(-np.logaddexp(0.0, -x))
+
+
+def kda_gate(g, *, A_log=None, dt_bias=None, lower_bound=None):
+    """Per-key-channel log decay [T, HV, K] (float64) from the raw gate g [T, HV, K].
+
+    A_log None, lower_bound None:  g itself (dt_bias must be None: nothing would use it)
+    A_log [HV], lower_bound None:  -exp(A_log[h]) * softplus(g + dt_bias[h, c])      (released Kimi-Linear)
+    lower_bound in [-5, 0):        lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h, c])), or
+                                   lower_bound * sigmoid(g + dt_bias[h, c]) when A_log is None  (FLA "safe gate")
+    dt_bias is [HV, K] or flat [HV * K] (vLLM's storage); None = 0.
+    """
+    g = to_float64(g, name="g")
+    A_log, dt_bias = (None if x is None else to_float64(x, name=name)
+                      for x, name in ((A_log, "A_log"), (dt_bias, "dt_bias")))
+    check_kda_gate(g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    if A_log is None and lower_bound is None:
+        return g
+    _, num_v_heads, head_k = g.shape
+    x = g if dt_bias is None else g + dt_bias.reshape(num_v_heads, head_k)
+    if A_log is not None:
+        rate = np.exp(A_log)[:, None]  # [HV, 1]
+        if lower_bound is None:
+            return -rate * _softplus(x)
+        return lower_bound * _sigmoid(rate * x)
+    return lower_bound * _sigmoid(x)
+
+
+def kda(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None, cu_seqlens=None,
+        checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", A_log=None, dt_bias=None, lower_bound=None):
+    """Kimi Delta Attention: the gated delta rule with a log decay per token, value head and key channel, in float64.
+
+    Arguments and results as `gated_delta_rule`, except g [T, HV, K]: the raw gate, turned
+    into the log decay by `kda_gate` (A_log [HV], dt_bias [HV, K] or [HV * K], lower_bound).
+    """
+    q, k, v, g, beta = check_delta_inputs(q, k, v, g, beta, per_channel_decay=True)
+    g = kda_gate(g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    return delta_rule_reference(q, k, v, g, beta, per_channel_decay=True, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                initial_state=initial_state, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
+                                checkpoint_offsets=checkpoint_offsets, state_layout=state_layout)

@@ -4,7 +4,7 @@ exactly by the pieces' affine state maps.
 The state pass is sequential over a row's chunks, one CTA per (row, value head, V / 64): at (1 row, 16 heads,
 V = 128) that is 32 CTAs on a 132-SM H200, so most SMs idle for the whole pass. Here every row is cut into P
 contiguous pieces of balanced chunk counts (`split_lanes`: piece p of row n is lane n * P + p) and the lanes kernel
-(`pallas_mosaic_gpu_state.state_lanes`) runs them side by side, twice:
+(`state.state_lanes`) runs them side by side, twice:
 
     per chunk c, with W_c, KD_c [C, K], U_c [C, V], D_c = exp(G_last) (a scalar, or for KDA diag of a K-vector):
         S <- D_c S + KD_c^T (U_c - W_c S) = (D_c - KD_c^T W_c) S + KD_c^T U_c
@@ -40,7 +40,7 @@ per piece on average so the per-lane start (TMA prologue, initial load) stays sm
 2 * 32 + 32 = 96, P = 8 4 * 16 + 2 * 16 = 96: P = 4.
 
 The fused GDN pass (`fused_pass_split`, state "fused"): the same plan, scan and passes over
-`pallas_mosaic_gpu_gdn_fused.gdn_fused_lanes`, which keeps the lanes contract (a lane: contiguous chunks from a start
+`gdn_fused.gdn_fused_lanes`, which keeps the lanes contract (a lane: contiguous chunks from a start
 state; map_mode: [M | E] of the same recurrence over the column blocks of [I | 0] with v -> [0 | v]) on `gdn_kkt`'s
 chunk-major q, k, v, T0 and beta, computed once for both passes. `_split` holds the plan and the scan; each kernel
 enters through a small lanes runner that speaks the split's transposed "vk" states. The fused kernel takes and
@@ -60,28 +60,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxckpt.ops.common import device
-from jaxckpt.ops.common import pallas_mosaic_gpu_gdn_fused as gdn_fused
-from jaxckpt.ops.common import pallas_mosaic_gpu_state as lanes_kernel
-from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges
+from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges, split_lanes
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import gdn_fused
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import state as lanes_kernel
 
 MAX_PIECES = 8
 MIN_CHUNKS_PER_PIECE = 8
 COLUMN_BLOCK = 64  # columns of S per CTA in both passes
 CHUNK = 64
 _F32 = jnp.float32
-
-
-def split_lanes(row_first_chunk, row_num_chunks, *, pieces):
-    """Each row's chunks cut into `pieces` contiguous ranges of balanced size (counts differ by at most one; a row
-    of fewer chunks than pieces leaves some empty), piece p of row n at lane n * pieces + p.
-
-    row_first_chunk, row_num_chunks     # i32[N] (`ChunkLayout`), may be traced
-    Returns (lane_first, lane_count) i32[N * pieces].
-    """
-    first = jnp.asarray(row_first_chunk, jnp.int32)[:, None]  # [N, 1]
-    count = jnp.asarray(row_num_chunks, jnp.int32)[:, None]
-    bounds = first + count * jnp.arange(pieces + 1, dtype=jnp.int32) // pieces  # [N, P + 1]
-    return bounds[:, :-1].reshape(-1), jnp.diff(bounds, axis=1).reshape(-1)
 
 
 def choose_pieces(num_rows, num_v_heads, head_v, num_tokens, *, head_k=None, num_sms=None) -> int:
@@ -152,8 +139,8 @@ def _split(lay, init, run_lanes, *, pieces):
 
 
 def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, interpret=False, state_terms=2):
-    """`pallas_mosaic_gpu_state.state_pass_v2` (same arguments and results) with each row cut into `pieces` lanes
-    (module docstring), both passes on `pallas_mosaic_gpu_state.state_lanes`.
+    """`state.state_pass_v2` (same arguments and results) with each row cut into `pieces` lanes
+    (module docstring), both passes on `state.state_lanes`.
 
     w, kd, qg   # [HV, NC, C, K] 16-bit
     u           # [HV, NC, C, V]
@@ -188,10 +175,10 @@ def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, i
 
 
 def fused_pass_split(p, init, *, pieces, interpret=False, state_terms=2):
-    """`pallas_mosaic_gpu_gdn_fused.gdn_fused_pass` (same arguments and results) with each row cut into `pieces`
+    """`gdn_fused.gdn_fused_pass` (same arguments and results) with each row cut into `pieces`
     lanes (module docstring, "The fused GDN pass"): `gdn_kkt` once, then both passes on `gdn_fused_lanes`.
 
-    p     # `pallas_triton_delta.prepare(..., per_channel_decay=False)`; the caller checks `gdn_fused.supports`
+    p     # `delta_rule.cumsum.prepare(..., per_channel_decay=False)`; the caller checks `gdn_fused.supports`
     init  # fp32 [N, HV, K, V] or None (zeros)
     Returns (o [T', HV, V] in token order, padding tokens zero, final fp32 [N, HV, K, V], checkpoints fp32
     [max(M, 1), HV, K, V], padded entries unspecified).

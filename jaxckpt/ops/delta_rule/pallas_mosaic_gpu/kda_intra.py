@@ -1,6 +1,6 @@
 """The KDA (per-key-channel decay) intra-chunk pass as one Pallas Mosaic GPU kernel: a drop-in for the Triton-lowered
-KDA intra launches of `pallas_triton_delta.intra_v2(..., per_channel_decay=True)` (same outputs, chunk-major layouts
-and dtypes; the math and the score factorisation are in `jaxckpt/ops/kda/README.md`).
+KDA intra launches of `delta_rule.pallas_triton.intra_v2(..., per_channel_decay=True)` (same outputs, chunk-major
+layouts and dtypes; the math and the score factorisation are in `jaxckpt/ops/delta_rule/README.md`).
 
 Built on jax 0.11.2 with `plgpu.kernel` (grid (chunk, value head), one warpgroup per CTA, Hopper wgmma with 16-bit
 operands and fp32 accumulation); on CPU it runs under Mosaic GPU's interpreter (`interpret=True` or a
@@ -38,7 +38,7 @@ the SM to fill the gaps. This version:
   GDN kernel (0.103 ms at the same shape with two CTAs per SM).
 - An fp16 inverse (`inverse="f16"`; the "blocked" default keeps its merges): one wgmma and one stored term per doubling
   product instead of the split's three and two, a third of the inverse's tensor work and half its SMEM stores, all
-  on the critical path. The argument and the numpy emulation are `pallas_mosaic_gpu_intra`'s (same doubling, same
+  on the critical path. The argument and the numpy emulation are `intra`'s (same doubling, same
   bounds, and the same similarity D (I + A) D^-1 for keys of any norm, d_i from |k_i|^2 summed after the score
   phase; decays only shrink A's entries): fp16 keeps
   11 significant bits, TF32's class, and the outputs do not see it (their error is the 16-bit rounding of the
@@ -47,7 +47,7 @@ the SM to fill the gaps. This version:
 - A blocked inverse (`inverse="blocked"`, 16-bit inputs; the default there since the H200 measured it: kernel 0.342 ->
   0.329 ms at T 8192, 1.283 -> 1.235 ms at 32768, H 16, outputs equal to "f16"'s against the Triton kernel to three
   digits, `bench/results/mosaic_gpu_kda_intra_h200_blocked.log`; the score levels, not the inverse, dominate):
-  `pallas_mosaic_gpu_intra`'s "blocked" (its docstring: why, accuracy, the interpreter's fallback to the doubling
+  `intra`'s "blocked" (its docstring: why, accuracy, the interpreter's fallback to the doubling
   from s = 2): the four 16 x 16 diagonal blocks of T solved exactly in fp32 by forward substitution
   (`tiles.block_diagonal_inverse`), then the fp16 levels s = 16, 32 only: 4 dependent products on the chain
   instead of 10. Its 18 KB pad tile takes the bytes of beta V's and the inverse's tiles (a third group of the
@@ -115,8 +115,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mosaic_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import intra as mosaic_intra
 
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
 SLAB = 32  # columns per landing piece and per elementwise slab: [C, 32] fp32 is 16 registers per thread

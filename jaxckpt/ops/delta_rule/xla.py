@@ -1,6 +1,6 @@
-"""Gated DeltaNet (GDN), chunk-parallel in plain jnp/lax: the portable implementation, differentiable, jit-friendly
-with traced varlen and checkpoint metadata. The algorithm and its performance notes are in
-`jaxckpt/ops/common/delta_chunk.py`; the math in README.md beside this file."""
+"""The gated delta rule (GDN and KDA), chunk-parallel in plain jnp/lax: the portable implementation, differentiable,
+jit-friendly with traced varlen and checkpoint metadata. The algorithm and its performance
+notes are in `chunk.py`, the math and the gate in README.md beside this file."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import functools
 
 import jax
 
-from jaxckpt.ops.common.delta_chunk import check_static, chunked_delta_rule
+from jaxckpt.ops.delta_rule.chunk import check_static, chunked_delta_rule
+from jaxckpt.ops.delta_rule.gate import kda_gate
 
 _STATIC = ("scale", "use_qk_l2norm", "state_layout", "chunk_size", "checkpoint_method", "state_pass")
 
@@ -49,6 +50,26 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initi
                  state_layout=state_layout, chunk_size=chunk_size, checkpoint_method=checkpoint_method,
                  state_pass=state_pass)
     return chunked_delta_rule(q, k, v, g[..., None], beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                              initial_state=initial_state, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
+                              checkpoint_offsets=checkpoint_offsets, state_layout=state_layout,
+                              chunk_size=chunk_size, checkpoint_method=checkpoint_method, state_pass=state_pass)
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "lower_bound"))
+def kda(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None, cu_seqlens=None,
+        checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", A_log=None, dt_bias=None, lower_bound=None,
+        chunk_size=64, checkpoint_method="in_chunk", state_pass="associative"):
+    """Kimi Delta Attention: the gated delta rule with a log decay per token, value head and key channel.
+
+    Arguments, options, precision and results as `gated_delta_rule`, except g [T, HV, K]: the raw
+    gate, turned into the log decay by `kda_gate` (A_log [HV], dt_bias [HV, K] or [HV * K], lower_bound).
+    """
+    check_static(q, k, v, g, beta, per_channel_decay=True, scale=scale, initial_state=initial_state,
+                 cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets,
+                 state_layout=state_layout, chunk_size=chunk_size, checkpoint_method=checkpoint_method,
+                 state_pass=state_pass)
+    g = kda_gate(g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    return chunked_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
                               initial_state=initial_state, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
                               checkpoint_offsets=checkpoint_offsets, state_layout=state_layout,
                               chunk_size=chunk_size, checkpoint_method=checkpoint_method, state_pass=state_pass)

@@ -1,7 +1,7 @@
 """The sequential state pass of the chunked gated delta rule over *lanes* (the Mosaic GPU state pass, `state="v2"`).
 
 A lane is a contiguous range of chunks walked in order from a given start state: a whole row (the plain pass,
-`state_pass_v2`) or a piece of a row (the sequence split, `pallas_mosaic_gpu_split`). Written against jax 0.11.2
+`state_pass_v2`) or a piece of a row (the sequence split, `split`). Written against jax 0.11.2
 (`plgpu.kernel`, Lane lowering semantics, warp specialization by `num_threads` / `thread_name`); check this module
 when jax moves.
 
@@ -14,7 +14,7 @@ Design, per grid point (lane, value head, column block j of BV = 64 columns of S
   products take their left operand from registers and the chain never touches SMEM:
       v_new^T = U^T - S^T W^T          (A = S^T registers, B = the transposed view of the w tile [C, K])
       S^T    <- S^T d + v_new^T KD      (A = v_new^T registers, B = the kd tile [C, K]; KDA: d per key = per column)
-  Precision (`pallas_mosaic_gpu_delta` docstring, with the measurement): S^T and v_new^T feed these products as
+  Precision (`pipeline` docstring, with the measurement): S^T and v_new^T feed these products as
   16-bit hi + lo pairs (x_hi = x rounded, x_lo = the rounding error rounded), two register-A wgmmas each, fp32
   accumulators. `state_terms=1` drops the lo halves: one wgmma per product, S and v_new rounded to 16 bits where
   they meet W and KD, as FLA's and jla's kernels do (shorter chain, states at their error class, not below it).
@@ -38,13 +38,13 @@ Design, per grid point (lane, value head, column block j of BV = 64 columns of S
   the chunk's wgmmas to land in). The chunk's keys come by TMA from a copy [max(M, 1), C, H, K] gathered in the
   wrapper at each checkpoint chunk's first CSR entry (rows past the chunk zero), issued at the chunk's start so it
   lands during the v_new wgmmas: every TMA copy starts at a whole (8, 64) tile of its GMEM array
-  (`pallas_mosaic_gpu_delta` docstring, "TMA addresses"; a copy from k [T', H, K] at a chunk start off the 8-row
+  (`pipeline` docstring, "TMA addresses"; a copy from k [T', H, K] at a chunk start off the 8-row
   grid drops rows on the GPU). GDN reads G from the ring's G row, KDA from Checkpoints.G in global memory. The
   carried S never depends on checkpoints.
 - O: the output warpgroup stores each chunk's rows at the chunk's own tokens (chunk_start[c] ..), so no XLA gather
   from a chunk-major copy follows (the first state pass wrote one: on the H200 that gather cost 0.023 of 0.33 ms at
   (1, 8192, 16) and 0.11 of 0.79 ms on an 8-row varlen mix). Chunk starts follow the rows, off the 8-row grid, where
-  a TMA from an (8, 64)-tiled SMEM tile drops rows on the GPU ("TMA addresses" in `pallas_mosaic_gpu_delta`), so
+  a TMA from an (8, 64)-tiled SMEM tile drops rows on the GPU ("TMA addresses" in `pipeline`), so
   the staging tile is `tiles.token_staging`: WGMMA-layout registers go in through its tiled view and a whole chunk
   leaves through its untiled 128-byte-swizzled view (the same bytes for 64 16-bit columns) as one [C, 64] box. A
   TMA store cannot be masked and the rows of a row's last, partial chunk past its length belong to the next row or
@@ -336,7 +336,7 @@ def state_lanes(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd
                             # (count 0: the lane's end state is its start state; lanes never share a chunk)
     chunk_start, chunk_len  # i32[NC]: chunk c holds the packed tokens [chunk_start[c], + chunk_len[c]) (`ChunkLayout`)
     decays                  # fp32 GDN: [HV, NC, C] (the chunk-local cumulative G rows); KDA: [HV, NC, K] (G_last)
-    w, kd, qg               # [HV, NC, C, K] 16-bit (`pallas_triton_delta.intra_v2` / the Mosaic GPU intra kernels)
+    w, kd, qg               # [HV, NC, C, K] 16-bit (`delta_rule.pallas_triton.intra_v2` / the Mosaic GPU intra kernels)
     u                       # [HV, NC, C, V]
     aqk                     # [HV, NC, C, C]
     lane_init               # fp32 [L, HV, K, V] start states, or None (zeros)
@@ -451,7 +451,7 @@ def state_lanes(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd
 
 def state_pass_v2(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False, stages=None, publish_slots=1,
                   state_terms=2):
-    """The plain state pass over `pallas_triton_delta.prepare`'s `p` and the intra pass's intermediates, on
+    """The plain state pass over `delta_rule.cumsum.prepare`'s `p` and the intra pass's intermediates, on
     `state_lanes`, one lane per row; `stages`, `publish_slots`, `state_terms` tune `state_lanes`.
 
     w, kd, qg   # [HV, NC, C, K] 16-bit

@@ -1,6 +1,6 @@
 """Chunk-parallel gated delta rule (GDN and KDA) in plain jnp/lax, exporting checkpoint states in the same pass.
 
-The portable XLA path behind `jaxckpt.ops.gdn.xla` and `jaxckpt.ops.kda.xla`: chunk-local WY/UT form (FLA's
+The portable XLA path behind `jaxckpt.ops.delta_rule.xla` (GDN and KDA): chunk-local WY/UT form (FLA's
 `chunk_gated_delta_rule` / `chunk_kda`, derivation in the ops' README.md), with every intra-chunk product batched over
 chunks and heads. The fp32 state crosses chunks by a parallel prefix scan over the chunks' affine state maps
 (`jaxckpt.ops.common.affine_scan`, the default `state_pass="associative"`) or by one `lax.scan` step per chunk

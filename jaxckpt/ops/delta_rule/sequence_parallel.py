@@ -35,9 +35,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
 from jaxckpt.ops.common import device
+from jaxckpt.ops.common.affine_scan import affine_scan, matmul_policy
 from jaxckpt.ops.common.xla_arrays import packed_metadata
+from jaxckpt.ops.delta_rule import pallas_triton, xla
+from jaxckpt.ops.delta_rule.backend import gate_reason
+from jaxckpt.ops.delta_rule.chunk import check_static
+from jaxckpt.ops.delta_rule.gate import kda_gate
 from jaxckpt.plan.layout import chunk_layout, searchsorted
 
 PIECE_CUTS = ("checkpoints", "snap", "grid")
@@ -337,7 +341,7 @@ def sequence_parallel_delta(base_fn: Callable, q, k, v, g, beta, *, scale=None, 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The entry shared by `jaxckpt.ops.gdn.sequence_parallel` and `jaxckpt.ops.kda.sequence_parallel`.
+# The entry shared by `jaxckpt.ops.delta_rule.sequence_parallel` and `jaxckpt.ops.delta_rule.sequence_parallel`.
 
 BASES = ("pallas_triton", "xla")
 XLA_BASE_KEYS = ("state_pass",)
@@ -366,7 +370,7 @@ def _check_own(own) -> str | None:
     return None
 
 
-def resolve(q, k, v, g, beta, *, chunk_size, options, pallas_supports: Callable) -> tuple[dict | None, str | None]:
+def resolve(q, k, v, g, beta, *, chunk_size, options) -> tuple[dict | None, str | None]:
     """The static choices for one call: ({base, base_options, correction, ...}, None) or (None, why not).
 
     `base` None picks the Pallas Triton kernels when they support the widened call here (K + V value columns,
@@ -381,7 +385,7 @@ def resolve(q, k, v, g, beta, *, chunk_size, options, pallas_supports: Callable)
     base = own.get("base")
     if base in (None, "pallas_triton"):
         wide = jax.ShapeDtypeStruct((*v.shape[:-1], next_pow2(head_k + head_v)), v.dtype)
-        reason = pallas_supports(q, k, wide, g, beta, chunk_size=chunk_size, interpret=interpret, **tuning)
+        reason = pallas_triton.supports(q, k, wide, g, beta, chunk_size=chunk_size, interpret=interpret, **tuning)
         if reason is None:
             base = "pallas_triton"
         elif base == "pallas_triton":
@@ -406,13 +410,6 @@ def resolve(q, k, v, g, beta, *, chunk_size, options, pallas_supports: Callable)
                 piece_len=own.get("piece_len"), target_programs=own.get("target_programs"),
                 min_piece_len=own.get("min_piece_len"), piece_cuts=own.get("piece_cuts") or "checkpoints",
                 compose=own.get("compose") or "associative"), None
-
-
-def differentiable(q, k, v, g, beta, *, chunk_size, options, pallas_supports: Callable) -> bool:
-    """Whether JAX differentiates through the call: with the XLA base and the XLA correction (plain jnp/lax), not
-    through the Pallas kernels."""
-    choice, _ = resolve(q, k, v, g, beta, chunk_size=chunk_size, options=options, pallas_supports=pallas_supports)
-    return choice is not None and choice["base"] == "xla" and choice["correction"] == "xla"
 
 
 def run_delta(bases: dict[str, Callable], q, k, v, g, beta, *, scale, use_qk_l2norm, initial_state, cu_seqlens,
@@ -440,3 +437,66 @@ _sequence_parallel_jit = jax.jit(
     sequence_parallel_delta, static_argnums=0,
     static_argnames=("scale", "use_qk_l2norm", "state_layout", "chunk_size", "piece_len", "piece_cuts", "compose",
                      "correction", "widen_to_pow2", "interpret", "base_options"))
+
+
+def supports(q, k, v, g, beta, *, chunk_size=64, **options) -> str | None:
+    """None when `gated_delta_rule` (g [T, HV]) or `kda` (g [T, HV, K]) can run these inputs and options here, else
+    the reason."""
+    return gate_reason(q, g) or resolve(q, k, v, g, beta, chunk_size=chunk_size, options=options)[1]
+
+
+def differentiable(q, k, v, g, beta, *, chunk_size=64, **options) -> bool:
+    """Whether JAX differentiates through the call: with the XLA base and the XLA correction (plain jnp/lax), not
+    through the Pallas kernels."""
+    choice, _ = resolve(q, k, v, g, beta, chunk_size=chunk_size, options=options)
+    return choice is not None and choice["base"] == "xla" and choice["correction"] == "xla"
+
+
+def _run(bases, q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, initial_state, cu_seqlens, checkpoint_cu,
+         checkpoint_offsets, state_layout, chunk_size, options):
+    check_static(q, k, v, g, beta, per_channel_decay=per_channel_decay, scale=scale, initial_state=initial_state,
+                 cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets,
+                 state_layout=state_layout, chunk_size=chunk_size, checkpoint_method="in_chunk")
+    choice, reason = resolve(q, k, v, g, beta, chunk_size=chunk_size, options=options)
+    if reason is not None:
+        raise ValueError(reason)
+    return run_delta(bases, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, initial_state=initial_state,
+                     cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets,
+                     state_layout=state_layout, chunk_size=chunk_size, choice=choice)
+
+
+def gated_delta_rule(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None, cu_seqlens=None,
+                     checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", chunk_size=64, **options):
+    """Gated delta rule with a scalar log decay per token and value head, sequence-parallel over long rows.
+
+    Arguments, shapes and results as `jaxckpt.ops.delta_rule.xla.gated_delta_rule` (metadata may be traced). Options
+    (all static): base ("pallas_triton" | "xla" | None = Pallas where it supports the widened call), piece_len
+    (tokens per piece; None = from the shape, `choose_piece_len`, which also falls back to the plain base call where
+    pieces do not pay), target_programs, min_piece_len, piece_cuts ("checkpoints" | "snap" | "grid"), compose
+    ("associative" | "sequential"), correction ("pallas" | "xla"), interpret (Pallas on CPU); any other option goes
+    to the base (Pallas tuning, or the XLA path's state_pass).
+    """
+    bases = {"pallas_triton": pallas_triton.gated_delta_rule, "xla": xla.gated_delta_rule}
+    return _run(bases, q, k, v, g, beta, per_channel_decay=False, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                initial_state=initial_state, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
+                checkpoint_offsets=checkpoint_offsets, state_layout=state_layout, chunk_size=chunk_size,
+                options=options)
+
+
+def kda(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False, initial_state=None, cu_seqlens=None,
+        checkpoint_cu=None, checkpoint_offsets=None, state_layout="kv", A_log=None, dt_bias=None, lower_bound=None,
+        chunk_size=64, **options):
+    """Kimi Delta Attention, sequence-parallel over long rows: the gate (`gate.kda_gate`) once before the pieces.
+
+    Arguments, shapes and results as `jaxckpt.ops.delta_rule.xla.kda` (g is the raw gate with A_log / dt_bias /
+    lower_bound); options as `gated_delta_rule`.
+    """
+    bases = {"pallas_triton": pallas_triton.kda, "xla": xla.kda}
+    check_static(q, k, v, g, beta, per_channel_decay=True, scale=scale, initial_state=initial_state,
+                 cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets,
+                 state_layout=state_layout, chunk_size=chunk_size, checkpoint_method="in_chunk")
+    g = kda_gate(g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    return _run(bases, q, k, v, g, beta, per_channel_decay=True, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                initial_state=initial_state, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
+                checkpoint_offsets=checkpoint_offsets, state_layout=state_layout, chunk_size=chunk_size,
+                options=options)

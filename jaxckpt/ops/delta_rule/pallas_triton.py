@@ -1,14 +1,13 @@
-"""Chunked gated delta rule (GDN scalar decay, KDA per-key-channel decay) as Pallas kernels for the Triton lowering,
-exporting checkpoint states from inside the sequential pass.
+"""The gated delta rule (GDN: a scalar decay per token and value head; KDA: a decay per key channel) as Pallas kernels
+for the Triton lowering (NVIDIA GPUs off Hopper, the fp32 path on Hopper; `interpret=True` on CPU), exporting
+checkpoint states from inside the sequential pass: the entries `gated_delta_rule` and `kda`, their `supports`, and
+the pipeline `delta_rule`.
 
-The math (WY/UT form, in-chunk checkpoint formula) is in `jaxckpt/ops/gdn/README.md` and `jaxckpt/ops/kda/README.md`.
-Four launches (five for KDA, whose intra pass is two), FLA-like (`chunk_gated_delta_rule` / `chunk_kda`):
+The math (WY/UT form, in-chunk checkpoint formula) is in README.md beside this file. Four launches (five for KDA,
+whose intra pass is two), FLA-like (`chunk_gated_delta_rule` / `chunk_kda`):
 
-1. `_cumsum_kernel`, grid (chunk, value head): chunk-local inclusive cumulative log decay G, written chunk-major
-   [HV, NC, C(, K)] in fp32; for fp32 I/O as two arrays, hi + lo (`log_decay.split_cumsum`), so that every
-   exp(G_a - G_b) below is taken of (hi_a - hi_b) + (lo_a - lo_b), whose error does not grow with the decays before
-   the pair (`pallas_triton_tiles.Cumsum`). A separate pass because every later kernel reads sub-tiles and single
-   rows of G, and register tiles cannot be sliced in the Triton lowering (no `slice` rule).
+1. The gate cumsum (`cumsum.prepare`, grid (chunk, value head)): chunk-local inclusive cumulative log decay G,
+   chunk-major [HV, NC, C(, K)] fp32, as hi + lo for fp32 I/O.
 2. The intra pass (GDN: `_intra_kernel_v2`, grid (chunk, value head); KDA: two launches, below): everything that
    does not need the carried state, on 16-row sub-blocks (static loops over C / 16 <= 4 blocks, so no tile is ever
    sliced): A = strictly-lower beta-scaled key scores, T = (I + A)^-1, W = T (beta exp(G) K), U = T (beta V), and
@@ -36,7 +35,7 @@ off-diagonal 16x16 block (i in sub-chunk I, j in sub-chunk J < I) is one tensor-
 diagonal block is exact: `_diag_block_scores` splits every strictly-lower pair into the (lower half, upper half)
 quadrant of one 2s-row block, s = 8, 4, 2, 1, and factorises there about the block's middle row, both factors <= 1
 again, so the scores are exact without a gate bound, at one exp and one dot per level; the derivation is in
-`jaxckpt/ops/kda/README.md`. What a program holds decides the speed: a [16, K] x [K, 16] dot keeps both operands
+README.md. What a program holds decides the speed: a [16, K] x [K, 16] dot keeps both operands
 whole in every warp (64 + 64 fp32 registers per thread at K = 128), so the pass is two launches of small programs.
 Launch A (`_kda_scores_kernel`, grid (chunk, head, sub-chunk I)) writes row block I of the beta-scaled key scores
 (fp32 [HV, NC, C, C]), the query scores, KD and QG, the K axis in column blocks of `kda_block_k` (default 32): 140
@@ -67,7 +66,6 @@ j <= i; the masked exponents are set to -inf before exp, never exponentiated unm
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,16 +74,15 @@ from jax.experimental.pallas import triton as plt
 
 from jaxckpt.ops.common import device
 from jaxckpt.ops.common.checkpoint_chunks import checkpoint_chunk_ranks, checkpoint_segments
-from jaxckpt.ops.common.log_decay import floor_log_decay, split_cumsum
-from jaxckpt.ops.common.pallas_triton_tiles import CumsumRefs, Dots, row_mask
+from jaxckpt.ops.common.pallas_triton_tiles import CumsumRefs, Dots, load_tokens, row_mask
 from jaxckpt.ops.common.pallas_triton_tiles import exp2e as _exp
-from jaxckpt.ops.common.xla_arrays import packed_metadata
-from jaxckpt.plan.layout import chunk_layout
+from jaxckpt.ops.delta_rule import cumsum
+from jaxckpt.ops.delta_rule.backend import gate_reason, kernel_entries
+from jaxckpt.ops.delta_rule.cumsum import gate_block, intermediate_dtype
 
 CHUNK_SIZES = (16, 32, 64)
 SUB = 16
 MAX_HEAD_DIM = 256
-L2NORM_EPS = 1e-6
 TUNING_KEYS = ("num_warps", "num_stages", "block_v", "intra_num_warps", "output_block_v", "fuse_output",
                "kda_block_k")
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -97,7 +94,13 @@ def _is_pow2(n: int) -> bool:
 
 
 def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> str | None:
-    """None when this backend can run the call, else the reason (so the caller can fall back to XLA)."""
+    """None when `gated_delta_rule` (g [T, HV]) or `kda` (g [T, HV, K]) can run the call here, else the reason (so
+    the caller can fall back to XLA)."""
+    reason = gate_reason(q, g)
+    if reason is not None:
+        return reason
+    if g.ndim == 2 and tuning.get("kda_block_k") is not None:
+        return "tuning: kda_block_k tunes KDA's intra pass; this is a GDN call"
     unknown = sorted(set(tuning) - set(TUNING_KEYS))
     if unknown:
         return f"tuning: unknown options {unknown}, expected some of {TUNING_KEYS}"
@@ -128,11 +131,6 @@ _NT = ((1,), (1,))  # a @ b^T
 _TN = ((0,), (0,))  # a^T @ b
 
 
-def _load_tokens(ref_at, rows, length, shape):
-    """Masked load of token rows [start, start + rows.size) of a packed array; rows past `length` read 0."""
-    return plt.load(ref_at, mask=row_mask(rows, length, shape), other=0).astype(_F32)
-
-
 def _pick_row(x, rows, r):
     """Row r of a register tile x [R, ...] (zeros when r is outside): tiles cannot be indexed dynamically."""
     sel = (rows == r).reshape(rows.shape + (1,) * (x.ndim - 1))
@@ -151,21 +149,6 @@ def _decay(G_i, G_j, mask=None, *, channel):
     if mask is not None:
         diff = jnp.where(mask, diff, -jnp.inf)
     return _exp(diff)
-
-
-def _cumsum_kernel(start_ref, len_ref, g_ref, *G_refs, chunk, channel):
-    c, h = pl.program_id(0), pl.program_id(1)
-    start, length = start_ref[c], len_ref[c]
-    rows = jnp.arange(chunk, dtype=jnp.int32)
-    shape = G_refs[0].shape
-    if channel:
-        g = _load_tokens(g_ref.at[pl.ds(start, chunk), h, :], rows, length, shape)
-    else:
-        g = _load_tokens(g_ref.at[pl.ds(start, chunk), h], rows, length, shape)
-    if len(G_refs) == 1:
-        G_refs[0][...] = jnp.cumsum(g, axis=0)
-    else:
-        G_refs[0][...], G_refs[1][...] = split_cumsum(g, axis=0)
 
 
 def _doubling_inverse(A):
@@ -246,8 +229,8 @@ def _intra_kernel_v2(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, *refs, c
         mask = row_mask(rows, length, (SUB, head_k))
         k_J = plt.load(k_ref.at[pl.ds(start + J * SUB, SUB), hk, :], mask=mask, other=0)  # [SUB, K] input dtype
         q_J = plt.load(q_ref.at[pl.ds(start + J * SUB, SUB), hk, :], mask=mask, other=0)
-        v_J = _load_tokens(v_ref.at[pl.ds(start + J * SUB, SUB), h, :], rows, length, (SUB, head_v))
-        b_J = _load_tokens(beta_ref.at[pl.ds(start + J * SUB, SUB), h], rows, length, (SUB,))
+        v_J = load_tokens(v_ref.at[pl.ds(start + J * SUB, SUB), h, :], rows, length, (SUB, head_v))
+        b_J = load_tokens(beta_ref.at[pl.ds(start + J * SUB, SUB), h], rows, length, (SUB,))
         G_J = G_ref[pl.ds(J * SUB, SUB)]
         gamma = G_J.exp()[:, None]
         kf = k_J.astype(_F32)
@@ -293,7 +276,7 @@ class _KdaChunk:
         self.rows = jnp.arange(SUB, dtype=jnp.int32)
 
     def _tokens(self, ref_at, J, shape):
-        return _load_tokens(ref_at(pl.ds(self.start + J * SUB, SUB)), J * SUB + self.rows, self.length, shape)
+        return load_tokens(ref_at(pl.ds(self.start + J * SUB, SUB)), J * SUB + self.rows, self.length, shape)
 
     def key(self, J, cols):
         return self._tokens(lambda r: self.k_ref.at[r, self.hk, cols], J, (SUB, self.block_k))
@@ -507,7 +490,7 @@ def _checkpoint_kernel(valid_ref, ck_chunk_ref, ck_pos_ref, start_ref, len_ref, 
         c = ck_chunk_ref[m]
         S = entry_ref[entry_slot_ref[m], h, :, cols]
         v_new = u_ref[h, c, :, cols].astype(_F32) - dots.exact(w_ref[h, c], S)  # [C, BV]
-        k_c = _load_tokens(k_ref.at[pl.ds(start_ref[c], chunk), h // group, :], rows, len_ref[c],
+        k_c = load_tokens(k_ref.at[pl.ds(start_ref[c], chunk), h // group, :], rows, len_ref[c],
                            (chunk, k_ref.shape[-1]))  # [C, K] fp32
         G_c = G_ref[h, c]
         r = ck_pos_ref[m]
@@ -534,91 +517,6 @@ def _output_kernel(start_ref, len_ref, qg_ref, aqk_ref, h_ref, vnew_ref, o_ref, 
                   mask=row_mask(rows, length, (chunk, block_v)))
 
 
-def _l2norm(x):
-    x32 = x.astype(_F32)
-    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
-
-
-class Prepared(NamedTuple):
-    """What every state pass of `delta_rule` (and `pallas_mosaic_gpu_delta`) starts from."""
-
-    q: object            # [T', H, K] io dtype, L2-normalized if asked; T' = max(T, 1) (a zero row for T = 0)
-    k: object            # [T', H, K] io dtype
-    v: object            # [T', HV, V]
-    beta: object         # [T', HV]
-    G: object            # fp32 [HV, NC, C] (GDN) or [HV, NC, C, K] (KDA): chunk-local cumulative log decay (its hi
-    #                      part when split)
-    lay: object          # `chunk_layout` of the rows and checkpoints (traced)
-    cu_seqlens: object   # i32[N + 1]
-    checkpoint_cu: object  # i32[N + 1]
-    scale: float
-    io_dtype: object     # dtype of the stored intermediates: fp32 or the 16-bit input dtype
-    G_lo: object = None  # G's lo part (`gate_cumsum(..., split=True)`), as G; None: G is whole
-
-
-def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seqlens, checkpoint_cu,
-            checkpoint_offsets, chunk_size, interpret, intra_num_warps=4, num_stages=2, split_gates=False) -> Prepared:
-    """Metadata, input casts and the gate cumsum launch (`_cumsum_kernel`): what `delta_rule`'s later passes and
-    `pallas_mosaic_gpu_delta` start from. `split_gates`: for fp32 I/O, G as hi + lo (`gate_cumsum(split=True)`), as
-    this module's kernels take it (16-bit inputs keep one G: its cancellation is far below their error class, and
-    the second G tile costs KDA time; bench/README.md, "Pallas Triton")."""
-    num_tokens, _, head_k = q.shape
-    chunk = chunk_size
-    if scale is None:
-        scale = head_k ** -0.5
-    io_dtype = _io_dtype(k, v)
-    cu_seqlens, checkpoint_cu, checkpoint_offsets = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets,
-                                                                    num_tokens)
-    if use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
-    q, k = q.astype(io_dtype), k.astype(io_dtype)
-    g = floor_log_decay(g.astype(_F32))
-    if num_tokens == 0:
-        # loads need a source row; a padding token past cu_seqlens[-1] = 0 is never read unmasked
-        q, k, v, g, beta = (jnp.zeros((1, *x.shape[1:]), x.dtype) for x in (q, k, v, g, beta))
-    lay = chunk_layout(cu_seqlens, checkpoint_cu, checkpoint_offsets, chunk_size=chunk, num_tokens=q.shape[0],
-                       xp=jnp)
-    split = split_gates and io_dtype == _F32
-    G = gate_cumsum(lay.chunk_start, lay.chunk_len, g, per_channel_decay=per_channel_decay, chunk=chunk, split=split,
-                    interpret=interpret, num_warps=intra_num_warps, num_stages=num_stages)
-    G, G_lo = G if split else (G, None)
-    return Prepared(q, k, v, beta, G, lay, cu_seqlens, checkpoint_cu, float(scale), io_dtype, G_lo)
-
-
-def _io_dtype(k, v):
-    """The dtype of the stored intermediates: promote(k, v), fp32 if that is 32 bits or wider."""
-    io_dtype = jnp.promote_types(k.dtype, v.dtype)
-    return _F32 if jnp.dtype(io_dtype).itemsize >= 4 else jnp.dtype(io_dtype)
-
-
-def gate_cumsum(chunk_start, chunk_len, g, *, per_channel_decay, chunk, split=False, interpret=False, num_warps=4,
-                num_stages=2):
-    """G, the chunk-local inclusive cumulative log decay (`_cumsum_kernel`, module docstring step 1).
-
-    chunk_start, chunk_len  # i32[NC] from `jaxckpt.plan.layout.chunk_layout`
-    g                       # fp32 [T, HV] (GDN) or [T, HV, K] (KDA, `per_channel_decay`): log decay in
-                            # [LOG_DECAY_FLOOR, 0] (`floor_log_decay`)
-    Returns fp32 [HV, NC, C] or [HV, NC, C, K], chunk-major; rows past a chunk's length repeat its last value.
-    With `split`, the pair (hi, lo) whose sum is G: `log_decay.split_cumsum`.
-    """
-    channel = per_channel_decay
-    num_chunks, num_v_heads = chunk_start.shape[0], g.shape[1]
-    g_tail = (g.shape[2],) if channel else ()
-    G_shape = jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, *g_tail), _F32)
-    return pl.pallas_call(
-        functools.partial(_cumsum_kernel, chunk=chunk, channel=channel),
-        out_shape=(G_shape, G_shape) if split else G_shape,
-        grid=(num_chunks, num_v_heads), in_specs=[pl.BlockSpec()] * 3,
-        out_specs=(_G_block(chunk, g_tail),) * 2 if split else _G_block(chunk, g_tail),
-        compiler_params=plt.CompilerParams(num_stages=num_stages, num_warps=num_warps), interpret=interpret,
-        name="delta_gate_cumsum",
-    )(chunk_start, chunk_len, g)
-
-
-def _G_block(chunk, g_tail):
-    return pl.BlockSpec((None, None, chunk, *g_tail), lambda c, h: (h, c, 0, *(0,) * len(g_tail)))
-
-
 def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, G_lo=None, *, chunk, group, scale, interpret=False,
               num_warps=4, num_stages=2):
     """GDN's intra pass (`_intra_kernel_v2`, module docstring step 2): W, U, KD, QG and AQK of every chunk.
@@ -632,7 +530,7 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, G_lo=None, *, chunk, gro
     `group` = HV // H, `scale` a Python number. Returns (w [HV, NC, C, K], u [HV, NC, C, V], kd [HV, NC, C, K],
     qg [HV, NC, C, K], aqk [HV, NC, C, C]), chunk-major in the I/O dtype, padding rows zero.
     """
-    io_dtype = _io_dtype(k, v)
+    io_dtype = intermediate_dtype(k, v)
     num_chunks, num_v_heads = chunk_start.shape[0], v.shape[1]
     widths = (k.shape[-1], v.shape[-1], k.shape[-1], k.shape[-1], chunk)
     full = pl.BlockSpec()
@@ -641,7 +539,7 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, G_lo=None, *, chunk, gro
         functools.partial(_intra_kernel_v2, chunk=chunk, group=group, scale=scale, split=G_lo is not None,
                           dots=Dots(io_dtype)),
         out_shape=tuple(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), io_dtype) for width in widths),
-        grid=(num_chunks, num_v_heads), in_specs=[full] * 6 + [_G_block(chunk, ())] * len(gates),
+        grid=(num_chunks, num_v_heads), in_specs=[full] * 6 + [gate_block(chunk, ())] * len(gates),
         out_specs=tuple(_chunk_block(chunk, width) for width in widths),
         compiler_params=plt.CompilerParams(num_stages=num_stages, num_warps=num_warps), interpret=interpret,
         name="delta_intra",
@@ -652,7 +550,7 @@ def _chunk_block(chunk, width):
     return pl.BlockSpec((None, None, chunk, width), lambda c, h: (h, c, 0, 0))
 
 
-def intra_v2(p: Prepared, *, per_channel_decay, chunk_size, interpret, intra_num_warps=4, num_stages=2,
+def intra_v2(p: cumsum.Prepared, *, per_channel_decay, chunk_size, interpret, intra_num_warps=4, num_stages=2,
              kda_block_k=None):
     """The intra launch(es) of `delta_rule`: (w, u, kd, qg, aqk), chunk-major [HV, NC, C, K | V | C] in the io dtype."""
     head_k = p.q.shape[-1]
@@ -685,7 +583,7 @@ def intra_v2(p: Prepared, *, per_channel_decay, chunk_size, interpret, intra_num
         functools.partial(_kda_solve_kernel, **kda_options),
         out_shape=(chunk_array(head_k), chunk_array(head_v)),
         grid=(num_chunks, num_v_heads),
-        in_specs=[full] * 5 + [_G_block(chunk, (head_k,))] * len(gates) + [_chunk_block(chunk, chunk)],
+        in_specs=[full] * 5 + [gate_block(chunk, (head_k,))] * len(gates) + [_chunk_block(chunk, chunk)],
         out_specs=(_chunk_block(chunk, head_k), _chunk_block(chunk, head_v)),
         compiler_params=params, interpret=interpret, name="delta_intra_solve",
     )(*starts, p.k, p.v, p.beta, *gates, akk)
@@ -723,10 +621,10 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     out_dtype = v.dtype
     block_v = block_v or min(head_v, 64)
     output_block_v = output_block_v or min(head_v, 64)
-    p = prepare(q, k, v, g, beta, per_channel_decay=channel, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets,
-                chunk_size=chunk, interpret=interpret, intra_num_warps=intra_num_warps, num_stages=num_stages,
-                split_gates=True)
+    p = cumsum.prepare(q, k, v, g, beta, per_channel_decay=channel, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                       cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu, checkpoint_offsets=checkpoint_offsets,
+                       chunk_size=chunk, interpret=interpret, intra_num_warps=intra_num_warps, num_stages=num_stages,
+                       split_gates=True)
     q, k, v, beta, lay, io_dtype = p.q, p.k, p.v, p.beta, p.lay, p.io_dtype
     gates = [p.G] if p.G_lo is None else [p.G, p.G_lo]
     dots = Dots(io_dtype)
@@ -795,3 +693,9 @@ def delta_rule(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk_l2norm
     if state_layout == "vk":
         final_state, checkpoint_states = final_state.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
     return o, final_state, checkpoint_states
+
+
+gated_delta_rule, kda = kernel_entries(delta_rule, supports, TUNING_KEYS,
+                                       inputs="q, k, v in fp32, bf16 or f16, K and V powers of two in [16, 256]; "
+                                              "`chunk_size` in (16, 32, 64)",
+                                       config="jaxckpt.ops.DeltaPallasTritonConfig")

@@ -4,12 +4,12 @@ warp-specialized state loop that forms everything else per chunk, so that W, U, 
 Written against jax 0.11.2 (`plgpu.kernel`, Lane lowering semantics, `num_threads` / `thread_name` warp
 specialization); check this module when jax moves.
 
-Why: the unfused Mosaic GPU GDN pipeline (`pallas_mosaic_gpu_intra.gdn_intra` then a state pass) writes five
+Why: the unfused Mosaic GPU GDN pipeline (`intra.gdn_intra` then a state pass) writes five
 chunk-major intermediates (~150 MB at T 8192, 16 heads, K = V = 128, bf16) and re-reads them per 64-column V block.
 For a scalar decay per token the decayed inverse is a diagonal similarity of the gate-free one: with
 D = diag(exp(G)) (G the chunk-local inclusive cumulative log decay), A = D A0 D^-1 where A0 = strict_lower(beta_i
 k_i . k_j), so (I + A)^-1 = D T0 D^-1 with T0 = (I + A0)^-1, i.e. T[i, j] = T0[i, j] exp(G_i - G_j). Then, per chunk
-with S fp32 [K, V] (`jaxckpt/ops/gdn/README.md`; this is version 2's W = T beta exp(G) K, U = T beta V with T
+with S fp32 [K, V] (`jaxckpt/ops/delta_rule/README.md`; this is version 2's W = T beta exp(G) K, U = T beta V with T
 expanded):
     Ag = T0 * exp(G_i - G_j) * beta_j (i >= j)          v_new = Ag (v - exp(G) * (k S))
     O = scale * (exp(G) * (q S) + (tril(q k^T) * exp(G_i - G_j)) v_new)
@@ -20,7 +20,7 @@ Kernels:
 1. `gdn_kkt`, grid (chunk, value head), one warpgroup: lands the chunk's q, k, v rows from the token layout
    ([T, H, K] at a chunk start that follows cu_seqlens) untiled into 128-byte-swizzled pieces, masks rows past the
    chunk's length to zero in registers (a select: NaN padding stays out), forms k k^T with a wgmma and T0 by
-   `pallas_mosaic_gpu_intra`'s recursive doubling (fp16 operands: the "f16" inverse, whose accuracy and range,
+   `intra`'s recursive doubling (fp16 operands: the "f16" inverse, whose accuracy and range,
    fine for l2-normalized keys and beta <= 1, are in that module's docstring; `inverse="blocked"`: that module's
    "blocked" inverse, T0's 16 x 16 diagonal blocks by fp32 forward substitution and then the fp16 levels s = 16, 32
    only, 4 dependent products instead of 10, its 18 KB pad tile aliased with the doubling's operand tiles; not yet
@@ -28,7 +28,7 @@ Kernels:
    16-bit I/O dtype plus *chunk-major copies* of q, k ([H, NC, C, K], written by the CTA of each key head's first
    value head) and v ([HV, NC, C, V]), rows past the chunk zero. Why copies: the state loop needs q, k, v as tiled
    wgmma operands, and a TMA copy into a tiled SMEM tile must start on an 8-row tile of its GMEM array
-   (`pallas_mosaic_gpu_delta` docstring, "TMA addresses"), which token-layout chunk starts are not. Re-tiling in
+   (`pipeline` docstring, "TMA addresses"), which token-layout chunk starts are not. Re-tiling in
    the state loop's SMEM instead would need landing tiles next to the operand ring (~40 KB more per slot at
    K = 128, beyond 227 KB with 2 slots) and register passes on the output warpgroup. Cost of the copies, at
    (1, 8192, 16), K = V = 128, bf16 (q, k, v 33.5 MB each, T0 16.8 MB): `gdn_kkt` reads q, k, v (100 MB) and
@@ -37,7 +37,7 @@ Kernels:
    AQK (151 MB) and re-reads them per V block. The copies also carry zeroed padding rows, which the state update
    needs (its k^T v_new product would turn 0 * NaN into NaN).
 2. `gdn_fused_lanes`, grid (lane, value head, column block j of BV = 64 columns of S), three warpgroups
-   (`pallas_mosaic_gpu_state`'s lanes contract: a lane is a contiguous range of chunks with a start state):
+   (`state`'s lanes contract: a lane is a contiguous range of chunks with a start state):
    - memory (warpgroup 2, registers lowered): a 2- to 4-slot TMA ring of the chunk tiles q, k, v[:, cols], T0 and
      the G and beta rows; a slot is refilled once both consumers have released it (`in_free`, two arrivals).
    - state (warpgroup 0): carries S^T [BV, K] fp32 in registers (WGMMA layout) so every product on the chain takes
@@ -45,7 +45,7 @@ Kernels:
      v_new^T = beta X^T + X^T Ag_<^T (X^T hi + lo, Ag_< the strictly lower part of Ag, in SMEM),
      S^T <- exp(G_last) S^T + (v_new^T exp(G_last - G)) k (hi + lo). It publishes S^T_hi during the first wgmma and
      v_new_hi during the update, for the output warpgroup.
-     Precision: as the current pass (`pallas_mosaic_gpu_delta` docstring) the state-feeding operands (S, X, and
+     Precision: as the current pass (`pipeline` docstring) the state-feeding operands (S, X, and
      v_new in its decayed form) are 16-bit hi + lo pairs with fp32 accumulation. Ag is one 16-bit term, but its
      diagonal (beta_i: T0's diagonal is 1) is applied in fp32 registers, because rounding it dominates otherwise.
      Measured offline (numpy, K = V = 128, 128 chunks, unit bf16 keys, beta = sigmoid(N(0, 1)),
@@ -59,17 +59,17 @@ Kernels:
      is off the state chain), then for the current chunk forms the scores P = scale tril(q k^T) exp(G_i - G_j),
      waits for the published S^T_hi and v_new_hi and computes O = scale exp(G) (q S_hi) + P v_new_hi (two
      accumulators, issued together), staged and TMA-stored straight into the token layout o [T, HV, V] at the
-     chunk's own tokens, as `pallas_mosaic_gpu_state` does (its docstring, "O": a whole chunk as one box through
+     chunk's own tokens, as `state` does (its docstring, "O": a whole chunk as one box through
      the untiled view of `tiles.token_staging`, a row's partial last chunk as 32, ..., 1-row boxes from its plain
      view, zeros over the padding tokens from one extra, empty lane), so no XLA gather follows.
-   Checkpoints as in `pallas_mosaic_gpu_state`: a chunk with checkpoints forms, for each at chunk position r,
+   Checkpoints as in `state`: a chunk with checkpoints forms, for each at chunk position r,
    exp(G_{r-1}) S + sum_{i<r} exp(G_{r-1} - G_i) k_i v_new_i^T (r = 0: S itself) in the state warpgroup after the
    update wgmma, with kr = k exp(G_{r-1} - G) (rows >= r masked by a select) split hi + lo into SMEM; the keys are
    the ring's k tile (already chunk-major and zero-padded, so no gathered key copy as there). The carried S never
-   depends on checkpoints. States cross global memory transposed ([.., V, K]) as in `pallas_mosaic_gpu_state`.
+   depends on checkpoints. States cross global memory transposed ([.., V, K]) as in `state`.
    map_mode: the lane's affine map [M | E] as the same recurrence over the column blocks of [I | 0] with v -> [0 | v];
    no q, no O (the output warpgroup only prepares Ag).
-3. `gdn_fused_pass`: `gdn_kkt` + `gdn_fused_lanes` over whole rows, with `pallas_mosaic_gpu_state.state_pass_v2`'s
+3. `gdn_fused_pass`: `gdn_kkt` + `gdn_fused_lanes` over whole rows, with `state.state_pass_v2`'s
    return contract (o in token order, padding tokens zero).
 
 SMEM (K = V = 128, bf16): a ring slot holds q, k (16 KB each), v's column block and T0 / Ag (8 KB each) and the G,
@@ -95,9 +95,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxckpt.ops.common import device
-from jaxckpt.ops.common import pallas_mosaic_gpu_intra as mosaic_intra
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges
+from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import intra as mosaic_intra
 
 CHUNK = 64
 BLOCK_V = 64
@@ -185,7 +185,7 @@ def gdn_kkt(chunk_start, chunk_len, q, k, v, beta, *, group, interpret=False, in
     """The gate-free inverse T0 = (I + strict_lower(beta_i k_i . k_j))^-1 of every chunk and chunk-major, zero-padded
     copies of q, k, v (module docstring, kernel 1). `inverse`: "f16" (the recursive doubling) or "blocked" (the
     substitution for T0's 16 x 16 diagonal blocks, then two doubling levels; under `interpret` it doubles from s = 2,
-    as `pallas_mosaic_gpu_intra`'s "blocked" does).
+    as `intra`'s "blocked" does).
 
     chunk_start, chunk_len  # i32[NC] (`chunk_layout`: a row's chunks restart at its start)
     q, k                    # [T, H, K] 16-bit
@@ -441,7 +441,7 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
                            tiled=o_tiled, whole=o_full, rows_s=o_rows, dst=o_ref.at[:, h, cols], pad=pad_ref,
                            pad_lane=lane == pad_lane)
 
-    # a warpgroup exiting while another still issues wgmmas has faulted on sm_90 (`pallas_mosaic_gpu_state`)
+    # a warpgroup exiting while another still issues wgmmas has faulted on sm_90 (`state`)
     plgpu.barrier_arrive(done)
     plgpu.barrier_wait(done)
 
@@ -466,7 +466,7 @@ def gdn_fused_lanes(lane_first, lane_count, chunk_start, chunk_len, q, k, v, bet
 
     Returns (o [num_tokens, HV, V] in the 16-bit dtype in token order (tokens from the end of the last lane's last
     chunk on zero, tokens of chunks outside every lane unspecified), lane_end fp32 [L, HV, K, V], checkpoint_states
-    fp32 [max(M, 1), HV, K, V]) — the contract of `pallas_mosaic_gpu_state.state_lanes`. map_mode=True (lane_init
+    fp32 [max(M, 1), HV, K, V]) — the contract of `state.state_lanes`. map_mode=True (lane_init
     and checkpoints None; chunk_start, chunk_len and num_tokens unused): fp32 [L, HV, K, K + V] = [M | E], the lane's
     affine map S_end = M S_start + E.
     """
@@ -546,10 +546,10 @@ def gdn_fused_lanes(lane_first, lane_count, chunk_start, chunk_len, q, k, v, bet
 
 
 def gdn_fused_pass(p, init, *, interpret=False, kkt_inverse="f16"):
-    """`gdn_kkt` + `gdn_fused_lanes` over whole rows: `pallas_mosaic_gpu_state.state_pass_v2`'s contract for GDN.
+    """`gdn_kkt` + `gdn_fused_lanes` over whole rows: `state.state_pass_v2`'s contract for GDN.
     `kkt_inverse`: `gdn_kkt`'s `inverse`.
 
-    p     # `pallas_triton_delta.prepare(..., per_channel_decay=False)`
+    p     # `delta_rule.cumsum.prepare(..., per_channel_decay=False)`
     init  # fp32 [N, HV, K, V] or None (zeros)
     Returns (o [T', HV, V] in token order, padding tokens zero, final fp32 [N, HV, K, V], checkpoints fp32
     [max(M, 1), HV, K, V], padded entries unspecified); ValueError naming the reason when `supports` declines the

@@ -1,5 +1,6 @@
 """The GDN (scalar decay) intra-chunk pass as one Pallas Mosaic GPU kernel: a drop-in for the Triton-lowered
-`pallas_triton_delta._intra_kernel_v2` (same outputs, layouts and dtypes; the math is in `jaxckpt/ops/gdn/README.md`).
+`delta_rule.pallas_triton._intra_kernel_v2` (same outputs, layouts and dtypes; the math is in
+`jaxckpt/ops/delta_rule/README.md`).
 
 Built on jax 0.11.2 with `plgpu.kernel` (grid (chunk, value head), one warpgroup per CTA, Hopper wgmma); on CPU it
 runs under Mosaic GPU's interpreter (`interpret=True` or a `plgpu.InterpretGPUParams`). Per chunk c and value head
@@ -64,16 +65,17 @@ it; each keeps the first form selectable ("split", 1, "rows") for A/B runs
   keys over six decades of norm.
 - `inverse="blocked"` (16-bit I/O, one chunk per CTA; the default there since the H200 measured it: kernel 0.100 ->
   0.090 ms at T 8192, 0.361 -> 0.324 ms at 32768, H 16, outputs equal to "f16"'s against the Triton kernel to three
-  digits, `bench/results/mosaic_gpu_intra_h200_blocked.log`): the chain shortened from 10 dependent products to 4. T_16, the inverses of the four 16 x 16 diagonal blocks, comes from
-  forward substitution in fp32 registers (`tiles.block_diagonal_inverse`: -A stored to a plain fp32 [64, 72] SMEM
-  tile, whose 72-word rows keep the WGMMA-layout transfers free of 8-way bank conflicts; each of 64 threads solves
-  one column of its block in 15 dependent steps of FMAs on warp-broadcast SMEM reads; T_16 read back in WGMMA
-  layout), exact up to fp32 rounding; then the fp16 levels s = 16, 32. Same class as "f16": the numpy emulation
-  above, 0.9 / 0.99 / 0-correlated keys, gives max |T - T_exact| / max |T| 8.9e-4 / 7.7e-4 / 1.8e-4 against 7.5e-4
-  / 7.7e-4 / 1.8e-4 for the "f16" doubling on the same chunks (`tests/ops/test_pallas_mosaic_gpu_intra.py` checks the
-  loop). The substitution is Mosaic GPU code (`plgpu.inline_mgpu`) that Mosaic GPU's interpreter cannot run: under
-  `interpret` the kernel doubles from s = 2 (the "f16" inverse), and the substitution is checked by its sm_90
-  lowering on CPU and by `tests/gpu/test_mosaic_gpu_intra.py` on the GPU.
+  digits, `bench/results/mosaic_gpu_intra_h200_blocked.log`): the chain shortened from 10 dependent products to 4. T_16,
+  the inverses of the four 16 x 16 diagonal blocks, comes from forward substitution in fp32 registers
+  (`tiles.block_diagonal_inverse`: -A stored to a plain fp32 [64, 72] SMEM tile, whose 72-word rows keep the
+  WGMMA-layout transfers free of 8-way bank conflicts; each of 64 threads solves one column of its block in 15 dependent
+  steps of FMAs on warp-broadcast SMEM reads; T_16 read back in WGMMA layout), exact up to fp32 rounding; then the fp16
+  levels s = 16, 32. Same class as "f16": the numpy emulation above, 0.9 / 0.99 / 0-correlated keys, gives max |T -
+  T_exact| / max |T| 8.9e-4 / 7.7e-4 / 1.8e-4 against 7.5e-4 / 7.7e-4 / 1.8e-4 for the "f16" doubling on the same chunks
+  (`tests/ops/test_pallas_mosaic_gpu_intra.py` checks the loop). The substitution is Mosaic GPU code
+  (`plgpu.inline_mgpu`) that Mosaic GPU's interpreter cannot run: under `interpret` the kernel doubles from s = 2 (the
+  "f16" inverse), and the substitution is checked by its sm_90 lowering on CPU and by
+  `tests/gpu/test_mosaic_gpu_intra.py` on the GPU.
 - `chunks_per_cta` (n; 1, the default, is the kernel's first form, one chunk per CTA; more than 1 needs 16-bit
   I/O). Measured slower on the H200 (below), kept selectable for the record of why. A CTA walks n
   consecutive chunks of one value head and issues the next chunk's loads once the current chunk's landing tiles
@@ -467,7 +469,8 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
         out_type=(chunk_array(head_k), chunk_array(head_v), chunk_array(head_k), chunk_array(head_k),
                   chunk_array(chunk)),
         scratch_types=[*scratch, vec, vec, vec, plgpu.Barrier(num_arrivals=boxes + 3)],
-        grid=(-(-num_chunks // per_cta), num_v_heads), grid_names=("c", "h"), interpret=tiles.interpret_params(interpret),
+        grid=(-(-num_chunks // per_cta), num_v_heads), grid_names=("c", "h"),
+        interpret=tiles.interpret_params(interpret),
         kernel_name="gdn_intra_mosaic_gpu",
     )
     return kernel(chunk_start, chunk_len, q, k, v, beta_c, G)
