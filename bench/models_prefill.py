@@ -41,8 +41,9 @@ import numpy as np  # noqa: E402
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import Recorder, jax_device_fields, jax_time, one_prompt_step, out_dir, rel_rms  # noqa: E402
-from bench.common import stats as time_stats
+from bench.common import (Recorder, jax_device_fields, jax_time, one_prompt_step, out_dir, rel_rms,  # noqa: E402
+                          stats as time_stats)
+
 
 
 def hf_config(*, tiny: bool, dtype: str):

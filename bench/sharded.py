@@ -41,7 +41,6 @@ from bench.common import Recorder, jax_time, one_prompt_step, out_dir  # noqa: E
 from jaxckpt.models import HybridConfig, HybridModel, forward  # noqa: E402
 from jaxckpt.models.sharded import ShardedHybrid, head_mesh  # noqa: E402
 
-
 def wide_config(width: int, *, tiny: bool) -> HybridConfig:
     """The bench model (or the tiny one, for the CPU check) with `width` times its d_model and head counts."""
     if tiny:

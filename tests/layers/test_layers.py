@@ -12,16 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxckpt.layers import (
-    Attention,
-    GatedDeltaNet,
-    KimiDeltaAttention,
-    Mamba2Mixer,
-    StepMetadata,
-    load_params,
-    param_dict,
-    state_pools,
-)
+from jaxckpt.layers import (Attention, GatedDeltaNet, KimiDeltaAttention, Mamba2Mixer, StepMetadata, load_params,
+                            param_dict, state_pools)
 
 D_MODEL = 32
 NUM_SLOTS = 12

@@ -13,24 +13,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxckpt.models import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM  # noqa: E402
-from tests.models.hf_helpers import (  # noqa: E402
-    SERVING,
-    VOCAB,
-    assert_caught,
-    assert_in_files,
-    assert_loads_from_memory,
-    assert_packed_rows_match,
-    assert_reference_logits_match,
-    assert_same_as_transformers,
-    assert_same_routing,
-    capture_routing,
-    check_checkpoint_resume,
-    hf_modeling,
-    random_rows,
-    randomize,
-    save_sharded,
-    swapped,
-)
+from tests.models.hf_helpers import (SERVING, VOCAB, assert_caught, assert_in_files,  # noqa: E402
+                                     assert_loads_from_memory, assert_packed_rows_match, assert_reference_logits_match,
+                                     assert_same_as_transformers, assert_same_routing, capture_routing,
+                                     check_checkpoint_resume, hf_modeling, random_rows, randomize, save_sharded,
+                                     swapped)
 
 HEADS, D_HEAD, GROUPS, STATE = 8, 8, 2, 8
 

@@ -14,26 +14,11 @@ transformers = pytest.importorskip("transformers")
 
 from jaxckpt.layers import param_dict  # noqa: E402
 from jaxckpt.models import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
-from tests.models.hf_helpers import (  # noqa: E402
-    SERVING,
-    VOCAB,
-    assert_caught,
-    assert_in_files,
-    assert_loads_from_memory,
-    assert_packed_rows_match,
-    assert_reference_logits_match,
-    assert_same_as_transformers,
-    assert_same_routing,
-    bf16_params,
-    capture_routing,
-    check_checkpoint_resume,
-    hf_modeling,
-    hf_state,
-    random_rows,
-    randomize,
-    save_sharded,
-    swapped,
-)
+from tests.models.hf_helpers import (SERVING, VOCAB, assert_caught, assert_in_files,  # noqa: E402
+                                     assert_loads_from_memory, assert_packed_rows_match, assert_reference_logits_match,
+                                     assert_same_as_transformers, assert_same_routing, bf16_params, capture_routing,
+                                     check_checkpoint_resume, hf_modeling, hf_state, random_rows, randomize,
+                                     save_sharded, swapped)
 
 HEADS, NOPE, ROPE, V_DIM, RANK = 4, 8, 8, 12, 16
 

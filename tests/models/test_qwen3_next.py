@@ -15,28 +15,11 @@ transformers = pytest.importorskip("transformers")
 
 from jaxckpt.models import Qwen3NextForCausalLM  # noqa: E402
 from jaxckpt.models.common import read_safetensors  # noqa: E402
-from tests.models.hf_helpers import (  # noqa: E402
-    PAGES,
-    SERVING,
-    SLOTS,
-    TOL,
-    VOCAB,
-    assert_caught,
-    assert_loads_from_memory,
-    assert_packed_rows_match,
-    assert_same_as_transformers,
-    assert_same_routing,
-    bf16_params,
-    capture_routing,
-    check_checkpoint_resume,
-    hf_logits,
-    hf_modeling,
-    random_rows,
-    randomize,
-    rel_rms,
-    save_sharded,
-    swapped,
-)
+from tests.models.hf_helpers import (PAGES, SERVING, SLOTS, TOL, VOCAB, assert_caught,  # noqa: E402
+                                     assert_loads_from_memory, assert_packed_rows_match, assert_same_as_transformers,
+                                     assert_same_routing, bf16_params, capture_routing, check_checkpoint_resume,
+                                     hf_logits, hf_modeling, random_rows, randomize, rel_rms, save_sharded, swapped)
+
 
 
 @functools.cache
