@@ -120,15 +120,20 @@ def host_metadata(num_tokens: int, cu_seqlens, checkpoint_cu, checkpoint_offsets
     return cu, ccu, offsets
 
 
-def check_float_tensor(t, device: torch.device, *, name: str, device_of: str) -> torch.Tensor:
-    """`t` if it is a float32, float16 or bfloat16 torch tensor on `device`, else a ValueError naming `name`;
-    `device_of` names the argument `device` was taken from, for the device error."""
+def check_tensor(t, device: torch.device, *, name: str, device_of: str, dtypes: tuple = _FLOAT_DTYPES,
+                 shape: tuple | None = None, spec: str = "") -> torch.Tensor:
+    """`t` if it is a torch tensor on `device` with a dtype in `dtypes` (and, given `shape`, that shape, which `spec`
+    names), else a ValueError naming `name`; `device_of` names the argument `device` was taken from."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected {spec} = {tuple(shape)}, got shape {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name}: on {t.device}, expected the device of {device_of} ({device})")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name}: dtype must be float32, float16 or bfloat16, got {t.dtype}")
+    if t.dtype not in dtypes:
+        names = [str(d).removeprefix("torch.") for d in dtypes]
+        raise ValueError(f"{name}: dtype must be {', '.join(names[:-1])}{' or ' if len(names) > 1 else ''}"
+                         f"{names[-1]}, got {t.dtype}")
     return t
 
 
@@ -174,12 +179,7 @@ def pool_slots(num_slots: int, num_rows: int, checkpoint_cu, num_checkpoints: in
 
 
 def check_pool(state_pool, state_shape: tuple, device: torch.device, *, name: str = "state_pool") -> None:
-    if not isinstance(state_pool, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(state_pool).__name__}")
-    if state_pool.device != device:
-        raise ValueError(f"{name}: on {state_pool.device}, expected {device} like the inputs")
-    if state_pool.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name}: dtype must be float32, float16 or bfloat16, got {state_pool.dtype}")
+    check_tensor(state_pool, device, name=name, device_of="the inputs")
     if tuple(state_pool.shape[1:]) != tuple(state_shape):
         raise ValueError(f"{name}: expected [S, {', '.join(map(str, state_shape))}], got shape "
                          f"{tuple(state_pool.shape)}")

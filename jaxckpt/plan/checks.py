@@ -1,6 +1,7 @@
 """The ops' input conventions as static checks, shared by every implementation (references, XLA, Pallas, torch_bridge's
 Triton kernels): shapes and scalar options only, so numpy, jax (also while tracing) and torch arrays pass through the
-same rules and messages. Dtype rules stay with each implementation, except that index metadata is integer."""
+same rules and messages. Dtype rules stay with each implementation, except that index metadata is integer and the
+float64 references take any float input (`to_float64`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,17 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxckpt.plan.conventions import check_flag
+
+REFERENCE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def to_float64(x, *, name: str) -> np.ndarray:
+    """A float64 copy of `x`, whose dtype must be one of REFERENCE_DTYPES (bfloat16 as in ml_dtypes / jax): the float64
+    references' input rule."""
+    array = np.asarray(x)
+    if array.dtype.name not in REFERENCE_DTYPES:
+        raise ValueError(f"{name}: dtype must be float16, bfloat16, float32 or float64, got {array.dtype}")
+    return array.astype(np.float64)
 
 
 def check_shape(array, expected: tuple, *, name: str, spec: str) -> None:

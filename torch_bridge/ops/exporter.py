@@ -30,7 +30,7 @@ from jaxckpt.plan.conventions import (
     validate_checkpoints,
     validate_cu_seqlens,
 )
-from torch_bridge.interop import check_float_tensor, host_flags, host_ints, vllm_slots
+from torch_bridge.interop import check_tensor, host_flags, host_ints, vllm_slots
 
 _BLOCK = 512
 
@@ -94,7 +94,7 @@ def _device_ints(array, device: torch.device) -> torch.Tensor:
 
 
 def _check_tensor(t, *, name: str, ndim: int, device: torch.device, shape: str) -> torch.Tensor:
-    check_float_tensor(t, device, name=name, device_of="x")
+    check_tensor(t, device, name=name, device_of="x")
     if t.ndim != ndim:
         raise ValueError(f"{name}: expected {shape}, got shape {tuple(t.shape)}")
     return t

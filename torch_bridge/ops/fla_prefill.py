@@ -36,7 +36,7 @@ import torch
 from jaxckpt.plan.checks import check_kda_gate
 from jaxckpt.plan.conventions import check_state_layout
 from jaxckpt.plan.layout import chunk_layout, split_layout
-from torch_bridge.interop import check_float_tensor, check_pool, gather_states, host_metadata, pool_slots, write_states
+from torch_bridge.interop import check_pool, check_tensor, gather_states, host_metadata, pool_slots, write_states
 from torch_bridge.spec import FLA_KDA_ALIGNMENT
 
 
@@ -63,7 +63,7 @@ def _fla_options(*, per_channel: bool, g, device, use_qk_l2norm: bool, A_log, dt
         return options
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         if t is not None:
-            check_float_tensor(t, device, name=name, device_of="q")
+            check_tensor(t, device, name=name, device_of="q")
     check_kda_gate(g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     gated = A_log is not None or lower_bound is not None
     # FLA's Triton gate reads A_log and dt_bias by pointer as dense rows
@@ -87,7 +87,7 @@ class _Inputs:
         lift = (lambda t: t) if self.batched else (lambda t: t.unsqueeze(0))
         named = dict(q=q, k=k, v=v, g=g, beta=beta)
         for name, t in named.items():
-            check_float_tensor(t, q.device, name=name, device_of="q")
+            check_tensor(t, q.device, name=name, device_of="q")
         for name in ("k", "v"):
             if named[name].dtype != q.dtype:
                 raise ValueError(f"{name}: dtype {named[name].dtype} differs from q's {q.dtype}")

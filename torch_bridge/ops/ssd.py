@@ -36,7 +36,7 @@ import triton.language as tl
 from jaxckpt.plan.checks import check_dt_limit
 from jaxckpt.plan.conventions import check_state_layout
 from jaxckpt.plan.layout import chunk_layout
-from torch_bridge.interop import check_pool, gather_states, host_metadata, pool_slots, write_states
+from torch_bridge.interop import check_pool, check_tensor, gather_states, host_metadata, pool_slots, write_states
 
 CHUNK = 64
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -199,15 +199,7 @@ def _scan_kernel(x_ptr, B_ptr, C_ptr, z_ptr, D_ptr, y_ptr, delta_ptr, acs_ptr, s
 
 
 def _tensor(t, *, name: str, shape: tuple, spec: str, device, dtypes=_FLOATS) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected {spec} = {tuple(shape)}, got shape {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: on {t.device}, expected the device of x ({device})")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: dtype must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
-    return t
+    return check_tensor(t, device, name=name, device_of="x", dtypes=dtypes, shape=shape, spec=spec)
 
 
 def _block(size: int, cap: int) -> int:

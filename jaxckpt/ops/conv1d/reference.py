@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-from jaxckpt.plan.checks import conv_dims
+from jaxckpt.plan.checks import conv_dims, to_float64
 from jaxckpt.plan.conventions import validate_checkpoints, validate_cu_seqlens
-
-_FLOAT_DTYPES = tuple(np.dtype(d) for d in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64))
-
-
-def _as_float64(value, *, name: str) -> np.ndarray:
-    array = np.asarray(value)
-    if array.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name}: dtype must be float16, bfloat16, float32 or float64, got {array.dtype}")
-    return array.astype(np.float64)
 
 
 def _silu(v: np.ndarray) -> np.ndarray:
@@ -35,9 +25,9 @@ def causal_conv1d(x, weight, bias=None, *, activation="silu", initial_state=None
     W - 1 raw inputs before the row end / before each checkpoint offset. Padding tokens past cu_seqlens[N] and
     padded checkpoint entries are zeros.
     """
-    x = _as_float64(x, name="x")  # [T, D]
-    weight = _as_float64(weight, name="weight")  # [D, W]
-    bias = None if bias is None else _as_float64(bias, name="bias")  # [D]
+    x = to_float64(x, name="x")  # [T, D]
+    weight = to_float64(weight, name="weight")  # [D, W]
+    bias = None if bias is None else to_float64(bias, name="bias")  # [D]
     num_tokens, dim, width = conv_dims(x, weight, bias, activation=activation)
     bias = np.zeros(dim) if bias is None else bias
     cu = validate_cu_seqlens(cu_seqlens, num_tokens)  # i32[N + 1]
@@ -47,7 +37,7 @@ def causal_conv1d(x, weight, bias=None, *, activation="silu", initial_state=None
     if initial_state is None:
         initial = np.zeros(state_shape)
     else:
-        initial = _as_float64(initial_state, name="initial_state")  # [N, D, W - 1]
+        initial = to_float64(initial_state, name="initial_state")  # [N, D, W - 1]
         if initial.shape != state_shape:
             raise ValueError(f"initial_state: expected [N, D, W - 1] = {state_shape}, got shape {initial.shape}")
 

@@ -12,19 +12,10 @@ import math
 
 import numpy as np
 
-from jaxckpt.plan.checks import check_kda_gate, delta_dims
+from jaxckpt.plan.checks import check_kda_gate, delta_dims, to_float64
 from jaxckpt.plan.conventions import check_state_layout, validate_checkpoints, validate_cu_seqlens
 
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 L2NORM_EPS = 1e-6
-
-
-def to_float64(x, *, name: str) -> np.ndarray:
-    """Returns a float64 copy of `x`; its dtype must be one of FLOAT_DTYPES (bfloat16 as in ml_dtypes / jax)."""
-    array = np.asarray(x)
-    if array.dtype.name not in FLOAT_DTYPES:
-        raise ValueError(f"{name}: dtype must be one of {FLOAT_DTYPES}, got {array.dtype}")
-    return array.astype(np.float64)
 
 
 def l2norm(x: np.ndarray) -> np.ndarray:

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-from jaxckpt.plan.checks import check_dt_limit, check_ssd_state, ssd_dims
+from jaxckpt.plan.checks import check_dt_limit, check_ssd_state, ssd_dims, to_float64
 from jaxckpt.plan.conventions import check_state_layout, validate_checkpoints, validate_cu_seqlens
 
-_FLOAT_DTYPES = tuple(np.dtype(d) for d in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64))
 # mamba_ssm's `_chunk_cumsum_fwd` returns dt itself above this threshold instead of softplus(dt).
 _SOFTPLUS_THRESHOLD = 20.0
-
-
-def _as_float64(value, *, name: str) -> np.ndarray:
-    array = np.asarray(value)
-    if array.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name}: dtype must be float16, bfloat16, float32 or float64, got {array.dtype}")
-    return array.astype(np.float64)
 
 
 def _softplus(v: np.ndarray) -> np.ndarray:
@@ -42,14 +33,14 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     [.., H, N, P] for "kv"). Padding tokens past cu_seqlens[N] and padded checkpoint entries are zeros.
     """
     check_state_layout(state_layout)
-    x = _as_float64(x, name="x")  # [T, H, P]
-    dt = _as_float64(dt, name="dt")  # [T, H]
-    A = _as_float64(A, name="A")  # [H]
-    B = _as_float64(B, name="B")  # [T, G, N]
-    C = _as_float64(C, name="C")  # [T, G, N]
-    D = None if D is None else _as_float64(D, name="D")  # [H] or [H, P]
-    dt_bias = None if dt_bias is None else _as_float64(dt_bias, name="dt_bias")  # [H]
-    z = None if z is None else _as_float64(z, name="z")  # [T, H, P]
+    x = to_float64(x, name="x")  # [T, H, P]
+    dt = to_float64(dt, name="dt")  # [T, H]
+    A = to_float64(A, name="A")  # [H]
+    B = to_float64(B, name="B")  # [T, G, N]
+    C = to_float64(C, name="C")  # [T, G, N]
+    D = None if D is None else to_float64(D, name="D")  # [H] or [H, P]
+    dt_bias = None if dt_bias is None else to_float64(dt_bias, name="dt_bias")  # [H]
+    z = None if z is None else to_float64(z, name="z")  # [T, H, P]
     dims = ssd_dims(x, dt, A, B, C, D=D, dt_bias=dt_bias, z=z)
     num_tokens, num_heads, head_dim, num_groups, state_dim = dims
     D = np.zeros((num_heads, head_dim)) if D is None else np.broadcast_to(D.reshape(num_heads, -1),
@@ -62,7 +53,7 @@ def ssd(x, dt, A, B, C, *, D=None, dt_bias=None, z=None, dt_limit=None, initial_
     if initial_state is None:
         initial = np.zeros((num_rows, num_heads, head_dim, state_dim))
     else:
-        initial = _as_float64(initial_state, name="initial_state")
+        initial = to_float64(initial_state, name="initial_state")
         check_ssd_state(initial, dims, num_rows, state_layout)
         if state_layout == "kv":
             initial = np.swapaxes(initial, -1, -2)

@@ -254,6 +254,19 @@ def _strict_A(S, b_row, decay):
     return jnp.where(tiles.iota(sq, 0) > tiles.iota(sq, 1), tiles.by_row(b_row, sq) * S * decay, 0.0)
 
 
+def _issue_chunk(q_ref, k_ref, v_ref, G_ref, beta_ref, landing, vectors, bar, *, start, c, h, hk):
+    """The loads of chunk c (tokens from `start`) of value head h, key head hk: q, k, v into their landing tiles, G
+    into its row and column SMEM copies (a vector's row and column views need separate copies: layouts are inferred
+    per ref) and beta, all counted on `bar`."""
+    rows = pl.ds(start, CHUNK)
+    for ref, land, head in zip((q_ref, k_ref, v_ref), landing, (hk, hk, h)):
+        tiles.land(ref.at[rows, head], land, bar)
+    g_row_s, g_col_s, b_row_s = vectors
+    plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_row_s, bar)
+    plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_col_s, bar)
+    plgpu.copy_gmem_to_smem(beta_ref.at[h, c], b_row_s, bar)
+
+
 def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref, aqk_ref,
                   aliased, k_s, kb_s, vb_s, g_row_s, g_col_s, b_row_s, bar, *, group, scale, parts, substitute):
     """One chunk per CTA (`chunks_per_cta=1`). `substitute`: T_16 by `tiles.block_diagonal_inverse` in the aliased
@@ -263,14 +276,8 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_re
     hk = lax.div(h, group)
     start, length = start_ref[c], len_ref[c]
     G_last = G_ref[h, c, CHUNK - 1]  # padding rows have g = 0: the last real token's cumulative decay
-    rows = pl.ds(start, CHUNK)
-    tiles.land(q_ref.at[rows, hk], land_q, bar)
-    tiles.land(k_ref.at[rows, hk], land_k, bar)
-    tiles.land(v_ref.at[rows, h], land_v, bar)
-    # row and column views of one vector need separate SMEM copies (layouts are inferred per ref)
-    plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_row_s, bar)
-    plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_col_s, bar)
-    plgpu.copy_gmem_to_smem(beta_ref.at[h, c], b_row_s, bar)
+    _issue_chunk(q_ref, k_ref, v_ref, G_ref, beta_ref, (land_q, land_k, land_v), (g_row_s, g_col_s, b_row_s), bar,
+                 start=start, c=c, h=h, hk=hk)
     plgpu.barrier_wait(bar)
 
     head_k, head_v = k_s.shape[-1], vb_s.shape[-1]
@@ -325,13 +332,8 @@ def _pipelined_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
     sq = (CHUNK, CHUNK)
 
     def issue(c):
-        rows = pl.ds(start_ref[c], CHUNK)
-        tiles.land(q_ref.at[rows, hk], land_q, bar)
-        tiles.land(k_ref.at[rows, hk], land_k, bar)
-        tiles.land(v_ref.at[rows, h], land_v, bar)
-        plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_row_s, bar)
-        plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_col_s, bar)
-        plgpu.copy_gmem_to_smem(beta_ref.at[h, c], b_row_s, bar)
+        _issue_chunk(q_ref, k_ref, v_ref, G_ref, beta_ref, (land_q, land_k, land_v), (g_row_s, g_col_s, b_row_s), bar,
+                     start=start_ref[c], c=c, h=h, hk=hk)
 
     issue(first)
 
