@@ -30,17 +30,16 @@ from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import pipeline as kda_mosaic
 from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import pipeline as mosaic_delta
 from tests.numerics import rel_rms
 from tests.ops.intra_cases import raw_keys
+from tests.ops.varlen_case import CU_SEQLENS, NUM_TOKENS
 
 pytestmark = pytest.mark.interpret
 
 BF16_TOL = 6e-3  # tests/vectors/loader.py's "bf16" class (rel-RMS)
 AGREE_TOL = BF16_TOL  # two bf16-class pipelines with different intra rounding
 
-# rows of lengths 0, 1, 36, 0, 83 and 10 padding tokens (K = V = 64: one V block). Row 2: checkpoints at 1 and
+# the shared varlen rows (K = V = 64: one V block) with their own checkpoints. Row 2: checkpoints at 1 and
 # len - 1 in its only chunk; row 4: two in chunk 0 (1, 63), then at the chunk boundary 64 (chunk position 0: the
 # carried state itself), 65 and len - 1 = 82 in chunk 1; then two padded CSR entries
-CU_SEQLENS = np.array([0, 0, 1, 37, 37, 120], np.int32)
-NUM_TOKENS = 130
 CHECKPOINT_CU = np.array([0, 0, 0, 2, 2, 7], np.int32)
 CHECKPOINT_OFFSETS = np.array([1, 35, 1, 63, 64, 65, 82, 0, 0], np.int32)
 ROWS_WITH_STATE = (0, 2, 4)

@@ -15,18 +15,13 @@ from jaxckpt.ops.common.log_decay import floor_log_decay, split_cumsum
 from jaxckpt.ops.common.pallas_triton_tiles import Cumsum, Dots
 from jaxckpt.ops.delta_rule import pallas_triton, reference
 from tests.numerics import rel_rms
+from tests.ops.varlen_case import CHECKPOINT_CU, CHECKPOINT_OFFSETS, CU_SEQLENS, NUM_TOKENS
 
 pytestmark = pytest.mark.interpret
 
 FP32_TOL = 1e-5
 BF16_TOL = 1e-2
 
-# rows of lengths 0, 1, 36, 0, 83 and 10 padding tokens; checkpoints at 1, len - 1, a chunk boundary (64) and
-# inside chunks, then two padded CSR entries
-CU_SEQLENS = np.array([0, 0, 1, 37, 37, 120], np.int32)
-NUM_TOKENS = 130
-CHECKPOINT_CU = np.array([0, 0, 0, 3, 3, 6], np.int32)
-CHECKPOINT_OFFSETS = np.array([1, 16, 35, 1, 64, 82, 0, 0], np.int32)
 ROWS_WITH_STATE = (0, 2, 4)
 
 

@@ -11,17 +11,11 @@ import pytest
 from jaxckpt.ops.delta_rule import reference, xla
 from jaxckpt.ops.delta_rule.gate import kda_gate
 from tests.numerics import rel_rms
+from tests.ops.varlen_case import CHECKPOINT_CU, CHECKPOINT_OFFSETS, CU_SEQLENS, NUM_TOKENS
 
 H, HV = 2, 4
 FP32_TOL = 1e-5
 BF16_TOL = 6e-3
-
-# rows of lengths 0, 1, 36, 0, 83 and 10 padding tokens; checkpoints at 1, len - 1, a chunk boundary (64) and
-# inside chunks, then two padded CSR entries
-CU_SEQLENS = np.array([0, 0, 1, 37, 37, 120], np.int32)
-NUM_TOKENS = 130
-CHECKPOINT_CU = np.array([0, 0, 0, 3, 3, 6], np.int32)
-CHECKPOINT_OFFSETS = np.array([1, 16, 35, 1, 64, 82, 0, 0], np.int32)
 
 
 def make_inputs(rng, num_tokens, head_k, head_v, *, per_channel, dtype=np.float32):

@@ -16,6 +16,17 @@ import jax.numpy as jnp
 from jaxckpt.ops.common.xla_arrays import check_float, packed_metadata
 from jaxckpt.plan.conventions import check_flag, check_int
 
+KERNEL_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def kernel_dtype_reason(arrays: Mapping[str, object]) -> str | None:
+    """None when every named array is float32, bfloat16 or float16 (what the Pallas kernels load), else the reason a
+    kernel backend declines the call with."""
+    for name, x in arrays.items():
+        if x.dtype not in KERNEL_FLOAT_DTYPES:
+            return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
+    return None
+
 
 def _shape(array) -> tuple[int, ...]:
     return tuple(jnp.shape(array))

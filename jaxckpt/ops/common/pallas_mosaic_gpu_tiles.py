@@ -22,8 +22,11 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref
 from jaxlib.mlir.dialects import math as mlir_math
 
+from jaxckpt.ops.common.contract import kernel_dtype_reason
+
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
 HEAD_DIMS = (64, 128)
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # wgmma's 16-bit operands
 F32 = jnp.float32
 WG = plgpu.Layout.WGMMA
 
@@ -419,9 +422,19 @@ def input_reason(q, k, v, beta, G, *, chunk, tuning, tuning_keys, G_shape) -> st
     for name, size in (("K", q.shape[-1]), ("V", v.shape[-1])):
         if size not in HEAD_DIMS:
             return f"{name}: must be one of {HEAD_DIMS} on this backend, got {size}"
-    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
-        if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-            return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
+    return kernel_dtype_reason(dict(q=q, k=k, v=v, beta=beta))
+
+
+def wgmma_reason(dims: dict, operands: dict, *, fallback: str = "") -> str | None:
+    """None when every named size is in HEAD_DIMS and the named operands share one 16-bit dtype (the wgmma tiles'
+    rules), else the reason; `fallback` closes the dtype reason (where such inputs go instead)."""
+    for name, size in dims.items():
+        if size not in HEAD_DIMS:
+            return f"{name}: must be one of {HEAD_DIMS} for the wgmma tiles, got {size}"
+    dtypes = [x.dtype for x in operands.values()]
+    if dtypes[0] not in DTYPES or any(d != dtypes[0] for d in dtypes):
+        return (f"{', '.join(operands)}: one 16-bit dtype (bfloat16 or float16) for the wgmma operands, got "
+                f"{', '.join(map(str, dtypes))}{fallback}")
     return None
 
 

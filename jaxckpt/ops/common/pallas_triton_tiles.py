@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
 import jax
+
 # Pallas defines one config flag lazily, the first time it lowers a kernel (the fuser's, imported by einshape); the
 # new flag changes jit's tracing context, so a process's first jitted call would compile twice. Importing it here
 # defines it before anything is traced.
 import jax.experimental.pallas.fuser  # noqa: F401
-import dataclasses
-from typing import NamedTuple
-
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plt
 

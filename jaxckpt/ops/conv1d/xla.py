@@ -17,6 +17,7 @@ from jaxckpt.ops.common.xla_arrays import check_float, compute_dtype, packed_met
 from jaxckpt.plan.checks import conv_dims
 from jaxckpt.plan.layout import searchsorted
 
+
 def checkpoint_rows(checkpoint_cu, num_checkpoints: int, num_rows: int):
     """(row i32[M] clipped into range, valid bool[M]) of each CSR entry; padded entries are not valid."""
     ids = jnp.arange(num_checkpoints, dtype=jnp.int32)

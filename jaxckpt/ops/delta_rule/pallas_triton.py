@@ -74,6 +74,7 @@ from jax.experimental.pallas import triton as plt
 
 from jaxckpt.ops.common import device
 from jaxckpt.ops.common.checkpoint_chunks import checkpoint_chunk_ranks, checkpoint_segments
+from jaxckpt.ops.common.contract import kernel_dtype_reason
 from jaxckpt.ops.common.pallas_triton_tiles import CumsumRefs, Dots, load_tokens, row_mask
 from jaxckpt.ops.common.pallas_triton_tiles import exp2e as _exp
 from jaxckpt.ops.delta_rule import cumsum
@@ -112,9 +113,9 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
     for name, size in (("K", head_k), ("V", head_v)):
         if not _is_pow2(size) or not SUB <= size <= MAX_HEAD_DIM:
             return f"{name}: must be a power of two in [{SUB}, {MAX_HEAD_DIM}] for Triton tiles, got {size}"
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-            return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
+    reason = kernel_dtype_reason(dict(q=q, k=k, v=v, g=g, beta=beta))
+    if reason is not None:
+        return reason
     for key in ("block_v", "output_block_v"):
         bv = tuning.get(key)
         if bv is not None and (not _is_pow2(bv) or not SUB <= bv <= head_v):

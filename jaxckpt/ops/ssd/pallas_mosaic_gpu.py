@@ -93,6 +93,7 @@ from jaxckpt.ops.common import device
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges, split_lanes
 from jaxckpt.ops.common.configs import MAX_SSD_PIECES
+from jaxckpt.ops.common.contract import kernel_dtype_reason
 from jaxckpt.ops.common.log_decay import floor_log_decay
 from jaxckpt.ops.common.xla_arrays import check_ssd_inputs, packed_metadata, ssd_delta, ssd_initial_state
 from jaxckpt.plan.conventions import check_state_layout
@@ -136,14 +137,11 @@ def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, cu_seqlens=
         return f"cu_seqlens: {rows} rows x pieces + 1 = {lanes} lanes exceed the grid's {MAX_GRID_Z} (CUDA's z axis)"
     if x.ndim != 3 or B.ndim != 3 or C.shape != B.shape:
         return "x, B, C: expected [T, H, P], [T, G, N], [T, G, N]"
-    for name, size in (("P", x.shape[-1]), ("N", B.shape[-1])):
-        if size not in HEAD_DIMS:
-            return f"{name}: must be one of {HEAD_DIMS} for the wgmma tiles, got {size}"
-    if x.dtype not in DTYPES or B.dtype != x.dtype or C.dtype != x.dtype:
-        return (f"x, B, C: one 16-bit dtype (bfloat16 or float16) for the wgmma operands, got {x.dtype}, {B.dtype}, "
-                f"{C.dtype} (float32 inputs: use pallas_triton or xla)")
-    if dt.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        return f"dt: dtype must be float32, bfloat16 or float16 on this backend, got {dt.dtype}"
+    reason = (tiles.wgmma_reason(dict(P=x.shape[-1], N=B.shape[-1]), dict(x=x, B=B, C=C),
+                                 fallback=" (float32 inputs: use pallas_triton or xla)")
+              or kernel_dtype_reason(dict(dt=dt)))
+    if reason is not None:
+        return reason
     if z is not None and (z.shape != x.shape or z.dtype != x.dtype):
         return (f"z: the fused gate reads z through x's TMA tiles, so it needs x's shape and dtype {x.shape} "
                 f"{x.dtype}, got {z.shape} {z.dtype}")

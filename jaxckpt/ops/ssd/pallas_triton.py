@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxckpt.ops.common import device
+from jaxckpt.ops.common.contract import kernel_dtype_reason
 from jaxckpt.ops.common.log_decay import floor_log_decay, split_cumsum
 from jaxckpt.ops.common.pallas_triton_tiles import CumsumRefs, Dots, row_mask
 from jaxckpt.ops.common.xla_arrays import check_ssd_inputs, packed_metadata, ssd_delta, ssd_initial_state
@@ -75,9 +76,9 @@ def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, **tuning) -
     block_p = tuning.get("state_block_p")
     if block_p is not None and not _is_pow2(block_p):
         return f"state_block_p: must be a power of two (capped at P), got {block_p!r}"
-    for name, array in (("x", x), ("dt", dt), ("B", B), ("C", C)):
-        if array.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-            return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {array.dtype}"
+    reason = kernel_dtype_reason(dict(x=x, dt=dt, B=B, C=C))
+    if reason is not None:
+        return reason
     if not interpret and not device.is_gpu():
         return f"backend: the Triton kernels need a GPU (or interpret=True), got {jax.default_backend()!r}"
     return None

@@ -101,8 +101,6 @@ from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import intra as mosaic_intra
 
 CHUNK = 64
 BLOCK_V = 64
-HEAD_DIMS = (64, 128)
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _F32 = jnp.float32
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)  # one value per row of a WGMMA-layout tile
@@ -125,13 +123,8 @@ def supports(q, k, v, beta, *, interpret=False) -> str | None:
         return "q, k, v, beta: expected [T, H, K], [T, H, K], [T, HV, V], [T, HV]"
     if v.shape[1] % q.shape[1]:
         return f"v: value heads ({v.shape[1]}) must be a multiple of key heads ({q.shape[1]})"
-    for name, size in (("K", q.shape[-1]), ("V", v.shape[-1])):
-        if size not in HEAD_DIMS:
-            return f"{name}: must be one of {HEAD_DIMS} for the wgmma tiles and the SMEM ring, got {size}"
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return (f"q, k, v: one 16-bit dtype (bfloat16 or float16) for the wgmma operands, got {q.dtype}, {k.dtype}, "
-                f"{v.dtype}")
-    return None if interpret else device.hopper_reason()
+    return (tiles.wgmma_reason(dict(K=q.shape[-1], V=v.shape[-1]), dict(q=q, k=k, v=v))
+            or (None if interpret else device.hopper_reason()))
 
 
 def _decayed_lower(G_row, G_col, shape):
@@ -197,7 +190,7 @@ def gdn_kkt(chunk_start, chunk_len, q, k, v, beta, *, group, interpret=False, in
     num_heads, head_k = q.shape[1:]
     num_v_heads, head_v = v.shape[1:]
     dtype = q.dtype
-    if dtype not in DTYPES or k.dtype != dtype or v.dtype != dtype:
+    if dtype not in tiles.DTYPES or k.dtype != dtype or v.dtype != dtype:
         raise ValueError(f"q, k, v: one 16-bit dtype (bfloat16 or float16), got {q.dtype}, {k.dtype}, {v.dtype}")
     if num_v_heads != group * num_heads:
         raise ValueError(f"group: expected HV // H = {num_v_heads // num_heads}, got {group}")

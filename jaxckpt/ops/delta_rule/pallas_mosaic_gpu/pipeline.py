@@ -54,7 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxckpt.ops.common import device
+from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 from jaxckpt.ops.common.configs import MAX_MOSAIC_PIECES
+from jaxckpt.ops.common.contract import kernel_dtype_reason
 from jaxckpt.ops.delta_rule import cumsum
 from jaxckpt.ops.delta_rule.backend import gate_reason, kernel_entries
 from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import gdn_fused
@@ -64,8 +66,6 @@ from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import split as mosaic_split
 from jaxckpt.plan.layout import max_chunks
 
 CHUNK = 64
-HEAD_DIMS = (64, 128)
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 STATES = ("v2", "fused")
 TUNING_KEYS = ("intra_num_warps", "num_stages", "state", "pieces", "kda_score_parts", "state_terms", "intra_inverse")
 # state "fused" forms the intra products itself (`gdn_kkt` and the lanes loop); the cumsum launch keeps its tuning
@@ -149,15 +149,11 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=Non
         return f"chunk_size: the Mosaic GPU state pass runs {CHUNK}-token chunks (wgmma tiles), got {chunk_size!r}"
     if q.ndim != 3 or v.ndim != 3:
         return "q, v: expected [T, H, K] and [T, HV, V]"
-    for name, size in (("K", q.shape[-1]), ("V", v.shape[-1])):
-        if size not in HEAD_DIMS:
-            return f"{name}: must be one of {HEAD_DIMS} for the wgmma tiles, got {size}"
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return (f"q, k, v: one 16-bit dtype (bfloat16 or float16) for the wgmma operands, got {q.dtype}, {k.dtype}, "
-                f"{v.dtype} (float32 inputs: use pallas_triton or xla)")
-    for name, x in (("g", g), ("beta", beta)):
-        if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-            return f"{name}: dtype must be float32, bfloat16 or float16 on this backend, got {x.dtype}"
+    reason = (tiles.wgmma_reason(dict(K=q.shape[-1], V=v.shape[-1]), dict(q=q, k=k, v=v),
+                                 fallback=" (float32 inputs: use pallas_triton or xla)")
+              or kernel_dtype_reason(dict(g=g, beta=beta)))
+    if reason is not None:
+        return reason
     num_rows = 1 if cu_seqlens is None else np.shape(cu_seqlens)[0] - 1
     # `prepare`'s chunk layout, static in T and N (an empty call lays out one token)
     num_chunks = max_chunks(max(q.shape[0], 1), num_rows, 0, CHUNK, forced_breaks=False)
