@@ -28,6 +28,17 @@ def kernel_dtype_reason(arrays: Mapping[str, object]) -> str | None:
     return None
 
 
+def tuning_reason(tuning: Mapping[str, object], keys: tuple, *, chunk_size, chunk_sizes: tuple) -> str | None:
+    """None when every tuning option is one of `keys` and `chunk_size` one of `chunk_sizes`, else the reason a kernel
+    backend declines the call with."""
+    unknown = sorted(set(tuning) - set(keys))
+    if unknown:
+        return f"tuning: unknown options {unknown}, expected some of {keys}"
+    if chunk_size not in chunk_sizes:
+        return f"chunk_size: must be one of {chunk_sizes}, got {chunk_size!r}"
+    return None
+
+
 def _shape(array) -> tuple[int, ...]:
     return tuple(jnp.shape(array))
 

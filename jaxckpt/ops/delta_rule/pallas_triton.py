@@ -74,7 +74,7 @@ from jax.experimental.pallas import triton as plt
 
 from jaxckpt.ops.common import device
 from jaxckpt.ops.common.checkpoint_chunks import checkpoint_chunk_ranks, checkpoint_segments
-from jaxckpt.ops.common.contract import kernel_dtype_reason
+from jaxckpt.ops.common.contract import kernel_dtype_reason, tuning_reason
 from jaxckpt.ops.common.pallas_triton_tiles import CumsumRefs, Dots, load_tokens, row_mask
 from jaxckpt.ops.common.pallas_triton_tiles import exp2e as _exp
 from jaxckpt.ops.delta_rule import cumsum
@@ -102,11 +102,9 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, **tuning) -> s
         return reason
     if g.ndim == 2 and tuning.get("kda_block_k") is not None:
         return "tuning: kda_block_k tunes KDA's intra pass; this is a GDN call"
-    unknown = sorted(set(tuning) - set(TUNING_KEYS))
-    if unknown:
-        return f"tuning: unknown options {unknown}, expected some of {TUNING_KEYS}"
-    if chunk_size not in CHUNK_SIZES:
-        return f"chunk_size: must be one of {CHUNK_SIZES}, got {chunk_size!r}"
+    reason = tuning_reason(tuning, TUNING_KEYS, chunk_size=chunk_size, chunk_sizes=CHUNK_SIZES)
+    if reason is not None:
+        return reason
     if q.ndim != 3 or v.ndim != 3:
         return "q, v: expected [T, H, K] and [T, HV, V]"
     head_k, head_v = q.shape[-1], v.shape[-1]

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxckpt.ops.common import device
-from jaxckpt.ops.common.contract import kernel_dtype_reason
+from jaxckpt.ops.common.contract import kernel_dtype_reason, tuning_reason
 from jaxckpt.ops.common.log_decay import floor_log_decay, split_cumsum
 from jaxckpt.ops.common.pallas_triton_tiles import CumsumRefs, Dots, row_mask
 from jaxckpt.ops.common.xla_arrays import check_ssd_inputs, packed_metadata, ssd_delta, ssd_initial_state
@@ -63,11 +63,9 @@ def _is_pow2(n: int) -> bool:
 
 def supports(x, dt, B, C, z=None, *, chunk_size=64, interpret=False, **tuning) -> str | None:
     """None when this backend can run the call, else the reason (so the caller can fall back to XLA)."""
-    unknown = sorted(set(tuning) - set(TUNING_KEYS))
-    if unknown:
-        return f"tuning: unknown options {unknown}, expected some of {TUNING_KEYS}"
-    if chunk_size not in CHUNK_SIZES:
-        return f"chunk_size: must be one of {CHUNK_SIZES}, got {chunk_size!r}"
+    reason = tuning_reason(tuning, TUNING_KEYS, chunk_size=chunk_size, chunk_sizes=CHUNK_SIZES)
+    if reason is not None:
+        return reason
     if x.ndim != 3 or B.ndim != 3:
         return "x, B: expected [T, H, P] and [T, G, N]"
     for name, size in (("P", x.shape[-1]), ("N", B.shape[-1])):
