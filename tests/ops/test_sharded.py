@@ -1,4 +1,4 @@
-"""Head-sharded ops on 1, 2 and 8 fake CPU devices match the single-device public ops.
+"""Head-sharded ops on 1, 2 and 8 fake CPU devices (4 for the batched and uneven-head cases) match the single-device
 
 The device count is fixed when jax starts, so the checks run in one subprocess started with
 `--xla_force_host_platform_device_count=8`; it prints one summary line per op that the test asserts.
@@ -34,7 +34,7 @@ offsets = np.array([1, 12, 5, 16, 21] + [PAD_CHECKPOINT_OFFSET] * 2, np.int32)
 real = int(ccu[-1])
 meta = dict(cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=offsets)
 # the single-device results are jitted like the sharded calls, so that both fuse alike (the conv is compared bitwise)
-meshes = {n: Mesh(np.array(jax.devices()[:n]), ("heads",)) for n in (1, 2, 8)}
+meshes = {n: Mesh(np.array(jax.devices()[:n]), ("heads",)) for n in (1, 2, 4, 8)}
 
 
 def f32(*shape, scale=1.0):
@@ -48,8 +48,8 @@ def rel(a, b):
 
 def compare(name, single, sharded_fn, *, exact=False):
     worst = 0.0
-    for n, mesh in meshes.items():
-        got = sharded_fn(mesh)
+    for n in (1, 2, 8):
+        got = sharded_fn(meshes[n])
         for part, a, b in zip(("out", "final", "ckpt"), got, single):
             a, b = np.asarray(a), np.asarray(b)
             if part == "out":
@@ -65,7 +65,7 @@ def compare(name, single, sharded_fn, *, exact=False):
                 worst = max(worst, err)
         spec = got[2].sharding.spec
         assert tuple(spec)[:2] == (None, "heads") or n == 1, (name, n, spec)
-    print(f"{name}: meshes 1 2 4 8 ok worst_rel={worst:.1e}")
+    print(f"{name}: meshes 1 2 8 ok worst_rel={worst:.1e}")
 
 
 q, k = f32(T, H, K), f32(T, H, K)
@@ -142,6 +142,6 @@ def test_sharded_ops_match_single_device():
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     for op in ("gdn", "kda", "ssd", "conv"):
-        assert any(line.startswith(f"{op}: meshes 1 2 4 8 ok") for line in lines), result.stdout
+        assert any(line.startswith(f"{op}: meshes 1 2 8 ok") for line in lines), result.stdout
     assert "gdn: split and batched ok" in lines, result.stdout
     assert "indivisible: ValueError q B x axis" in lines, result.stdout
