@@ -1,4 +1,5 @@
 """Head-sharded ops on 1, 2 and 8 fake CPU devices (4 for the batched and uneven-head cases) match the single-device
+public ops.
 
 The device count is fixed when jax starts, so the checks run in one subprocess started with
 `--xla_force_host_platform_device_count=8`; it prints one summary line per op that the test asserts.
