@@ -10,21 +10,9 @@ import numpy as np
 import pytest
 
 from tests.vectors import generate
-from tests.vectors.loader import (
-    EXACT_OUTPUTS,
-    OPS,
-    OUTPUT_NAMES,
-    SEMANTICS_VERSION,
-    TOLERANCES,
-    check_case,
-    load_case,
-    load_cases,
-    load_metadata,
-    measure_case,
-    read_tensors,
-    rel_rms,
-    vector_path,
-)
+from tests.vectors.loader import (EXACT_OUTPUTS, OPS, OUTPUT_NAMES, SEMANTICS_VERSION, TOLERANCES, check_case,
+                                  load_case, load_cases, load_metadata, measure_case, read_tensors, rel_rms,
+                                  vector_path)
 
 CASES = {op: load_cases(op) for op in OPS}
 ALL_CASES = [(op, case.name) for op in OPS for case in CASES[op]]

@@ -27,14 +27,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from jaxckpt.plan.conventions import (
-    NULL_SLOT,
-    check_int_array,
-    map_vllm_slots,
-    validate_checkpoints,
-    validate_cu_seqlens,
-    validate_slots,
-)
+from jaxckpt.plan.conventions import (NULL_SLOT, check_int_array, map_vllm_slots, validate_checkpoints,
+                                      validate_cu_seqlens, validate_slots)
 
 _METADATA = ("cu_seqlens", "checkpoint_cu", "checkpoint_offsets")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

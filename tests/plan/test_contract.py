@@ -7,29 +7,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxckpt.plan import (
-    batch_checkpoints,
-    bucket_size,
-    checkpoint_column,
-    checkpoint_grid,
-    checkpoint_position,
-    checkpoint_rows,
-    checkpoints_from_rows,
-    checkpoints_to_rows,
-    chunk_layout,
-    initial_state_column,
-    is_checkpoint_valid,
-    map_vllm_slots,
-    max_chunks,
-    model_checkpoint_alignment,
-    pad_checkpoints,
-    prefill_checkpoints,
-    row_checkpoints,
-    split_layout,
-    validate_checkpoints,
-    validate_cu_seqlens,
-    validate_slots,
-)
+from jaxckpt.plan import (batch_checkpoints, bucket_size, checkpoint_column, checkpoint_grid, checkpoint_position,
+                          checkpoint_rows, checkpoints_from_rows, checkpoints_to_rows, chunk_layout,
+                          initial_state_column, is_checkpoint_valid, map_vllm_slots, max_chunks,
+                          model_checkpoint_alignment, pad_checkpoints, prefill_checkpoints, row_checkpoints,
+                          split_layout, validate_checkpoints, validate_cu_seqlens, validate_slots)
 from jaxckpt.plan.checks import check_dt_limit, delta_dims
 from jaxckpt.plan.conventions import check_state_layout
 from jaxckpt.plan.scheduler import SchedulerConfig, block_aligned_split

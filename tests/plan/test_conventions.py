@@ -3,18 +3,9 @@
 import numpy as np
 import pytest
 
-from jaxckpt.plan import (
-    NULL_SLOT,
-    PAD_CHECKPOINT_OFFSET,
-    checkpoint_rows,
-    checkpoints_from_rows,
-    checkpoints_to_rows,
-    map_vllm_slots,
-    pad_checkpoints,
-    validate_checkpoints,
-    validate_cu_seqlens,
-    validate_slots,
-)
+from jaxckpt.plan import (NULL_SLOT, PAD_CHECKPOINT_OFFSET, checkpoint_rows, checkpoints_from_rows,
+                          checkpoints_to_rows, map_vllm_slots, pad_checkpoints, validate_checkpoints,
+                          validate_cu_seqlens, validate_slots)
 
 
 def test_cu_seqlens_defaults_to_one_row_and_allows_padding_tokens():

@@ -5,17 +5,9 @@ import itertools
 import numpy as np
 import pytest
 
-from jaxckpt.plan import (
-    batch_checkpoints,
-    checkpoint_column,
-    checkpoint_grid,
-    checkpoint_position,
-    initial_state_column,
-    is_checkpoint_valid,
-    model_checkpoint_alignment,
-    prefill_checkpoints,
-    row_checkpoints,
-)
+from jaxckpt.plan import (batch_checkpoints, checkpoint_column, checkpoint_grid, checkpoint_position,
+                          initial_state_column, is_checkpoint_valid, model_checkpoint_alignment, prefill_checkpoints,
+                          row_checkpoints)
 
 
 @pytest.mark.parametrize("hash_block", [16, 64, 256])

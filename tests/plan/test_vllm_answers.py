@@ -7,13 +7,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from jaxckpt.plan import (
-    checkpoint_grid,
-    checkpoint_position,
-    is_checkpoint_valid,
-    model_checkpoint_alignment,
-    prefill_checkpoints,
-)
+from jaxckpt.plan import (checkpoint_grid, checkpoint_position, is_checkpoint_valid, model_checkpoint_alignment,
+                          prefill_checkpoints)
 from jaxckpt.plan.scheduler import SchedulerConfig, block_aligned_split
 from jaxckpt.plan.spec import StateSpec, hybrid_block_sizes
 

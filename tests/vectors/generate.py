@@ -18,17 +18,8 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from tests.vectors.loader import (
-    OPS,
-    OUTPUT_NAMES,
-    SAFETENSORS_DTYPES,
-    SEMANTICS_VERSION,
-    Case,
-    load_cases,
-    load_metadata,
-    tolerance_metadata,
-    vector_path,
-)
+from tests.vectors.loader import OPS, OUTPUT_NAMES, SAFETENSORS_DTYPES, SEMANTICS_VERSION, Case, load_cases, \
+    load_metadata, tolerance_metadata, vector_path
 
 SEED = 20261130
 GENERATOR = "tests/vectors/generate.py"

@@ -22,14 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from jaxckpt.plan.conventions import (
-    NULL_SLOT,
-    check_positive,
-    check_state_layout,
-    checkpoint_rows,
-    validate_checkpoints,
-    validate_cu_seqlens,
-)
+from jaxckpt.plan.conventions import (NULL_SLOT, check_positive, check_state_layout, checkpoint_rows,
+                                      validate_checkpoints, validate_cu_seqlens)
 from torch_bridge.interop import check_tensor, host_flags, host_ints, vllm_slots
 
 _BLOCK = 512
