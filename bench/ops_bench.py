@@ -1,4 +1,4 @@
-"""Times jaxckpt's op implementations and the peers (FLA, jla, a token-by-token scan) in the same run.
+"""Times jaxckpt's op implementations and the peers (FLA, FlashQLA, jla, a token-by-token scan) in the same run.
 
 GPU: `python -m bench.ops_bench --ops gdn --impls default --modes per_row --peers jla fla --device-time --name NAME`
 (writes bench/results/<name>.json and .md, or under $OUT when set). CPU smoke run: `--tiny`. The cases (anchor
@@ -92,25 +92,59 @@ def bench_ours_delta(rec, kind, impl, lengths, H, D, shape_label, modes, *, HV=N
             **timed(f, *args, jnp.asarray(ccu), jnp.asarray(offsets))), **row)
 
 
+def torch_delta_args(lengths, H, D, kind, batched, *, HV=None):
+    """The torch peers' arguments on the op's inputs: dense [B, T, ...] for equal rows, else [1, T, ...] with
+    cu_seqlens (FLA's and FlashQLA's calling convention)."""
+    import torch
+
+    q, k, v, g, beta, h0, cu = delta_inputs(lengths, H, D, kind, HV=HV)
+    t = lambda x, dt=torch.float32: torch.from_numpy(x).to("cuda", dt)  # noqa: E731
+    if batched:
+        B, L = len(lengths), lengths[0]
+        shp = lambda x: x.reshape(B, L, *x.shape[1:])  # noqa: E731
+        args = [t(shp(q), torch.bfloat16), t(shp(k), torch.bfloat16), t(shp(v), torch.bfloat16), t(shp(g)),
+                t(shp(beta))]
+        return args, dict(initial_state=t(h0), output_final_state=True)
+    args = [t(q, torch.bfloat16)[None], t(k, torch.bfloat16)[None], t(v, torch.bfloat16)[None], t(g)[None],
+            t(beta)[None]]
+    return args, dict(initial_state=t(h0), output_final_state=True, cu_seqlens=torch.from_numpy(cu).long().cuda())
+
+
+def bench_flashqla_delta(rec, kind, lengths, H, D, shape_label, batched, *, HV=None):
+    """FlashQLA's default call (its intra-card context parallelism on, `auto_cp=True`); GDN only. It compiles its
+    kernels on the first call of a shape, inside `do_bench`'s warm-up."""
+    import torch
+
+    if kind != "gdn":
+        rec.add(op=kind, implementation="flashqla", shape=shape_label, checkpoints="none", median_ms=None,
+                note="FlashQLA 0.1.3 has no KDA")
+        return
+    from flash_qla import chunk_gated_delta_rule
+
+    args, kwargs = torch_delta_args(lengths, H, D, kind, batched, HV=HV)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        chunk_gated_delta_rule(*args, **kwargs)
+        torch.cuda.synchronize()
+        first_call_ms = (time.perf_counter() - start) * 1e3
+        rec.add(op=kind, implementation="flashqla", shape=shape_label, rows=list(lengths), checkpoints="none",
+                dtype="bf16", first_call_ms=first_call_ms,
+                **torch_time(lambda: chunk_gated_delta_rule(*args, **kwargs)))
+
+
 def bench_fla_delta(rec, kind, lengths, H, D, shape_label, batched, *, HV=None):
+    import importlib.util
+
     import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.kda import chunk_kda
 
+    if kind == "gdn" and importlib.util.find_spec("flash_qla") is not None:
+        # FLA 0.6.0 hands GDN to FlashQLA whenever it can import it: that row would time FlashQLA
+        raise RuntimeError("FLA's GDN not timed: flash_qla is importable (run FLA and FlashQLA in two processes)")
     fn = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
-    q, k, v, g, beta, h0, cu = delta_inputs(lengths, H, D, kind, HV=HV)
-    t = lambda x, dt=torch.float32: torch.from_numpy(x).to("cuda", dt)  # noqa: E731
-    B = len(lengths)
-    if batched:
-        L = lengths[0]
-        shp = lambda x: x.reshape(B, L, *x.shape[1:])  # noqa: E731
-        args = [t(shp(q), torch.bfloat16), t(shp(k), torch.bfloat16), t(shp(v), torch.bfloat16), t(shp(g)),
-                t(shp(beta))]
-        kwargs = dict(initial_state=t(h0), output_final_state=True)
-    else:
-        args = [t(q, torch.bfloat16)[None], t(k, torch.bfloat16)[None], t(v, torch.bfloat16)[None], t(g)[None],
-                t(beta)[None]]
-        kwargs = dict(initial_state=t(h0), output_final_state=True, cu_seqlens=torch.from_numpy(cu).long().cuda())
+    args, kwargs = torch_delta_args(lengths, H, D, kind, batched, HV=HV)
+    _, _, _, _, _, h0, cu = delta_inputs(lengths, H, D, kind, HV=HV)
     with torch.inference_mode():
         rec.add(op=kind, implementation="fla", shape=shape_label, rows=list(lengths), checkpoints="none",
                 dtype="bf16", **torch_time(lambda: fn(*args, **kwargs)))
@@ -253,7 +287,9 @@ def main(argv=None):
     parser.add_argument("--impls", nargs="+", default=["xla"],
                         help="implementation specs: 'default' (the call with no implementation and no tuning), "
                              "xla, pallas_mosaic_gpu@intra=mosaic_gpu, pallas_triton@block_v=32, ...")
-    parser.add_argument("--peers", nargs="*", default=[], help="fla jla jla_chunked scan")
+    parser.add_argument("--peers", nargs="*", default=[],
+                        help="fla flashqla jla jla_chunked scan (fla and flashqla in two processes: FLA hands GDN to "
+                             "an importable FlashQLA)")
     parser.add_argument("--modes", nargs="+", default=MODES)
     parser.add_argument("--impl-modes", nargs="*", default=[],
                         help="per-implementation checkpoint modes, e.g. xla=none,every_1024")
@@ -293,6 +329,8 @@ def main(argv=None):
                 bench_ours_delta(rec, kind, impl, lengths, H, D, label, impl_modes[impl], HV=HV, raw=args.raw,
                                  paged=args.paged)
             for peer, runner in (("fla", lambda: bench_fla_delta(rec, kind, lengths, H, D, label, batched, HV=HV)),
+                                 ("flashqla", lambda: bench_flashqla_delta(rec, kind, lengths, H, D, label, batched,
+                                                                           HV=HV)),
                                  ("jla", lambda: bench_jla_delta(rec, kind, "mosaic_gpu", lengths, H, D, label, HV=HV)),
                                  ("jla_chunked", lambda: bench_jla_delta(rec, kind, "chunked", lengths, H, D, label,
                                                                          HV=HV)),
