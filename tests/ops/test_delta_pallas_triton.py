@@ -169,6 +169,34 @@ def test_diagonal_block_helpers_are_exact_under_strong_decays():
     np.testing.assert_allclose(np.asarray(inverse), np.linalg.inv(np.eye(sub) + A), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("per_channel, split, dtype", [(False, False, np.float32), (True, False, ml_dtypes.bfloat16),
+                                                        (True, True, np.float32)])
+def test_gate_cumsum_floors_in_the_kernel(per_channel, split, dtype):
+    # the launch takes the raw gate (any float dtype) and floors it as it loads it: -inf and very strong decays
+    # become LOG_DECAY_FLOOR, a NaN stays NaN from its token on (a select, not the NaN-dropping max of the lowering)
+    from jaxckpt.ops.common.log_decay import LOG_DECAY_FLOOR
+    from jaxckpt.ops.delta_rule import cumsum
+    from jaxckpt.plan.layout import chunk_layout
+
+    rng = np.random.default_rng()
+    chunk, lengths, heads, head_k = 16, [21, 16, 9], 2, 8
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    shape = (int(cu[-1]), heads, head_k) if per_channel else (int(cu[-1]), heads)
+    g = (-rng.exponential(1.0, size=shape)).astype(dtype)
+    g[3], g[17], g[30] = -np.inf, -500.0, np.nan
+    lay = chunk_layout(jnp.asarray(cu), jnp.zeros(len(lengths) + 1, jnp.int32), jnp.zeros(0, jnp.int32),
+                       chunk_size=chunk, num_tokens=g.shape[0], xp=jnp)
+    G = cumsum.gate_cumsum(lay.chunk_start, lay.chunk_len, jnp.asarray(g), per_channel_decay=per_channel,
+                           chunk=chunk, split=split, interpret=True)
+    G = np.asarray(G[0] + G[1] if split else G, np.float64)
+    floored = np.where(g.astype(np.float64) < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, g.astype(np.float64))
+    for c, (start, length) in enumerate(zip(np.asarray(lay.chunk_start), np.asarray(lay.chunk_len))):
+        expected = np.cumsum(floored[start:start + length], axis=0)  # [length, HV(, K)]
+        actual = np.moveaxis(G[:, c, :length], 0, 1)
+        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-4, equal_nan=True)
+        assert np.isnan(actual).any() == (start <= 30 < start + length)
+
+
 # KDA's intra pass (and `kda_block_k`):
 # rows of 0, 1, 36, 0 and 83 tokens plus padding, checkpoints at sub-chunk boundaries (16, 32, 48, 80), at the chunk
 # boundary 64, inside sub-chunks and at len - 1, then two padded CSR entries

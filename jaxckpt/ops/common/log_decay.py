@@ -49,8 +49,10 @@ def suffix_log_decays(g):
 
 
 def floor_log_decay(log_decay):
-    """Per-token log decays raised to LOG_DECAY_FLOOR (NaN stays NaN): the same decay factors, finite cumsums."""
-    return jnp.maximum(log_decay, LOG_DECAY_FLOOR)
+    """Per-token log decays raised to LOG_DECAY_FLOOR (NaN stays NaN): the same decay factors, finite cumsums. A
+    select, not `jnp.maximum`: the Pallas Triton lowering of max is NaN-dropping (`maxnumf`), and inside a kernel a
+    NaN gate must still poison its row."""
+    return jnp.where(log_decay < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, log_decay)
 
 
 def split_cumsum(log_decay, axis):

@@ -61,7 +61,6 @@ def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seq
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     q, k = q.astype(io_dtype), k.astype(io_dtype)
-    g = floor_log_decay(g.astype(_F32))
     if num_tokens == 0:
         # loads need a source row; a padding token past cu_seqlens[-1] = 0 is never read unmasked
         q, k, v, g, beta = (jnp.zeros((1, *x.shape[1:]), x.dtype) for x in (q, k, v, g, beta))
@@ -90,8 +89,8 @@ def gate_cumsum(chunk_start, chunk_len, g, *, per_channel_decay, chunk, split=Fa
     """G, the chunk-local inclusive cumulative log decay (`_cumsum_kernel`).
 
     chunk_start, chunk_len  # i32[NC] from `jaxckpt.plan.layout.chunk_layout`
-    g                       # fp32 [T, HV] (GDN) or [T, HV, K] (KDA, `per_channel_decay`): log decay in
-                            # [LOG_DECAY_FLOOR, 0] (`floor_log_decay`)
+    g                       # [T, HV] (GDN) or [T, HV, K] (KDA, `per_channel_decay`): log decay <= 0, any float
+                            # dtype; the kernel casts it to fp32 and floors it (`floor_log_decay`) as it loads it
     Returns fp32 [HV, NC, C] or [HV, NC, C, K], chunk-major; rows past a chunk's length repeat its last value.
     With `split`, the pair (hi, lo) whose sum is G: `log_decay.split_cumsum`.
     """
@@ -122,6 +121,9 @@ def _cumsum_kernel(start_ref, len_ref, g_ref, *G_refs, chunk, channel):
         g = load_tokens(g_ref.at[pl.ds(start, chunk), h, :], rows, length, shape)
     else:
         g = load_tokens(g_ref.at[pl.ds(start, chunk), h], rows, length, shape)
+    # floored here, not in XLA before the launch: for KDA's per-channel gate that pass read and wrote the whole fp32
+    # gate again (5-7% of the default call on an H200, `loop_maximum_fusion` in bench/results/ops_default_kda_h200)
+    g = floor_log_decay(g)
     if len(G_refs) == 1:
         G_refs[0][...] = jnp.cumsum(g, axis=0)
     else:
