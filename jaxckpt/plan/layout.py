@@ -40,7 +40,8 @@ class ChunkLayout(NamedTuple):
 
 def searchsorted(xp, sorted_values, queries, *, side: str = "left"):
     """`xp.searchsorted`; for jax.numpy the unrolled binary search: its default method is a `while` loop, which
-    XLA runs on GPU as host-driven iterations (~30 us of launch latency each, measured on the H200)."""
+    XLA runs on GPU as host-driven iterations, each paying a launch's latency (measured on the H200,
+    bench/README.md, "Variants measured and not taken")."""
     if xp is np:
         return np.searchsorted(sorted_values, queries, side=side)
     return xp.searchsorted(sorted_values, queries, side=side, method="scan_unrolled")

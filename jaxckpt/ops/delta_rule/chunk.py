@@ -31,9 +31,9 @@ Performance notes (XLA:CPU on the shared 2-core dev box, jax 0.11.2, fp32; timin
 - UT transform (by construction, not timed). One unit-lower triangular solve against [beta exp(G) K | beta V] gives
   W and U at once; forming T = (I + A)^-1 first would add two C x C matmuls per chunk.
 
-GPU notes (H200, bf16 q/k/v, K = V = 128, HV = H, before this state pass and precision policy; ms): GDN (B, T, H) =
-(1, 8192, 16) 5.16, (1, 32768, 16) 18.98, (8, 4096, 32) 26.6, against 3.88 / 14.38 / 14.31 for jla's plain-JAX
-chunked path. Two causes, and what replaced them:
+GPU notes (H200, bf16 q/k/v, K = V = 128, HV = H): before this state pass and precision policy, GDN on this path
+ran well behind jla's plain-JAX chunked path at the three anchor shapes (bench/README.md, "Portable XLA path").
+Two causes, and what replaced them:
 - The sequential pass ran one `lax.scan` step, a few small kernels, per chunk of every row in sequence: 512 dependent
   steps at T = 32768, C = 64, and also 512 for 8 independent rows of 4096. The associative pass needs about
   2 log2(NC) dependent levels (18 at NC = 512). It costs the map products instead: M_c = diag(exp(G_last)) -

@@ -7,8 +7,8 @@ single rows of G, and register tiles cannot be sliced in the Triton lowering (no
 
 The cumsum kernel is a Pallas kernel for the Triton lowering, which the Mosaic GPU pipeline runs too. No other cumsum
 is worth a variant: in the default call's H200 traces it takes 1.1-1.3% of GDN's device time, and for KDA (5.7-7.4%)
-it runs at the copy floor of the fp32 gate it reads and the G it writes (0.28 ms for 2 x 0.54 GB at (8, 4096, 32));
-only not writing G at all would save more (bench/README.md, "The default call on Hopper").
+it runs at the copy floor of the fp32 gate it reads and the G it writes (2 x 0.54 GB at (8, 4096, 32)); only not
+writing G at all would save more (bench/README.md, "The default call on Hopper").
 """
 
 from __future__ import annotations

@@ -67,8 +67,8 @@ SMEM (227 KB per CTA on sm_90). At N = 128, BP = 64, bf16: a ring slot holds x 8
 of rows (state-only pass: 24.5 KB), beside two published S_hi tiles (32 KB) and the y staging and partial-chunk
 tiles (16 KB): 4 slots take 210 KB. Why z is not in the ring: the state warpgroup runs up to two chunks ahead of
 the output warpgroup (two S_hi slots), so 4 slots hold the output's chunk, the state's two and one landing; z in
-every slot (48.5 KB a slot) left room for 3, and the H200 timed 0.390 ms with z against 0.225 ms without at (8192
-tokens, 128 heads, P 64, N 128). z's own two tiles (16 KB) fit beside the 4 slots: 226.1 KB with the barriers,
+every slot (48.5 KB a slot) left room for 3, which measured far slower on the H200 than the kernel without z
+(bench/README.md, kernel-level runs). z's own two tiles (16 KB) fit beside the 4 slots: 226.1 KB with the barriers,
 0.9 KB to spare (`_stages` counts it; the lowering test exports for CUDA, where Mosaic GPU checks the bytes). Two,
 not one: chunk i + 2's z starts landing when chunk i is freed, a whole chunk of output work before its gate (with
 one tile, only as the gate's own chunk begins). At N = 64 every arrangement keeps 4 slots.

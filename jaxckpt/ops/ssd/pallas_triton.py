@@ -11,9 +11,9 @@ pair; 16-bit inputs keep one Acs, whose cancellation is far below their error cl
 2. `_state_kernel`, grid (row, head, P block): H [P, N] fp32 carried through the row's chunks (count read from the
    chunk table), H <- exp(Acs_last) H + S_loc, writing every chunk-entry state H_c and the row's final state. The
    update is elementwise, so P splits into `state_block_p`-row blocks at no extra work: with one row the pass
-   otherwise runs only H programs, each bound by the latency of one chunk's load per step (H200, T 32768, H 32:
-   0.98 ms, half the op, with whole-P programs). The loop body is straight-line (no checkpoint branches), so
-   outputs and final states cannot depend on the checkpoints.
+   otherwise runs only H programs, each bound by the latency of one chunk's load per step (with whole-P programs
+   the pass took half the op on the H200 at T 32768, H 32: bench/README.md, "Pallas Triton"). The loop body is
+   straight-line (no checkpoint branches), so outputs and final states cannot depend on the checkpoints.
 3. `_checkpoint_kernel`, grid (checkpoint, head), only when M > 0: the state after the first r tokens of chunk c,
    exp(Acs_{r-1}) H_c + sum_{i<r} exp(Acs_{r-1} - Acs_i) delta_i x_i B_i^T (r = 0 gives H_c exactly), read from
    the chunk-entry states of step 2: work only at the chunks that hold checkpoints.

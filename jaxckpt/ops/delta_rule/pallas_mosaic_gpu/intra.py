@@ -34,10 +34,10 @@ outputs land at ~5e-6 relative (Triton's IEEE fp32 dots: ~1e-7). 16-bit inputs: 
 products with fp32 accumulation, as the Triton kernel's bulk dots.
 
 Tuning (`gdn_intra`'s keyword options; `default_tuning` fills in those left out). Measured on an H200 before the
-options (bf16, T 8192, H 16, K = V = 128): 0.147 ms for ~250 MB of inputs and outputs, half the HBM bandwidth,
-with the tensor cores about a third busy: one chunk per CTA runs load, a serial chain of dependent wgmmas and store
-one after another, and only the SM's second CTA fills the gaps. The options shorten that chain or hide work under
-it; each keeps the first form selectable ("split", 1, "rows") for A/B runs
+options (bf16, T 8192, H 16, K = V = 128), the kernel moved its ~250 MB of inputs and outputs at half the HBM
+bandwidth, with the tensor cores about a third busy: one chunk per CTA runs load, a serial chain of dependent wgmmas
+and store one after another, and only the SM's second CTA fills the gaps. The options shorten that chain or hide
+work under it; each keeps the first form selectable ("split", 1, "rows") for A/B runs
 (`bench/results/mosaic_gpu_intra_h200_variants.log`).
 
 - `inverse` ("split" | "f16" | "blocked"; default "blocked" for 16-bit I/O, fp32 takes only "split"). The doubling is
@@ -63,10 +63,11 @@ it; each keeps the first form selectable ("split", 1, "rows") for A/B runs
   overflow once that passes 65504 (about beta |k|^2 > 2.4 for parallel keys), as the fp32 state itself does a few
   chunks later. `tests/ops/test_pallas_mosaic_gpu_intra.py::test_raw_keys_of_any_norm` covers raw, near-parallel
   keys over six decades of norm.
-- `inverse="blocked"` (16-bit I/O, one chunk per CTA; the default there since the H200 measured it: kernel 0.100 ->
-  0.090 ms at T 8192, 0.361 -> 0.324 ms at 32768, H 16, outputs equal to "f16"'s against the Triton kernel to three
-  digits, `bench/results/mosaic_gpu_intra_h200_blocked.log`): the chain shortened from 10 dependent products to 4. T_16,
-  the inverses of the four 16 x 16 diagonal blocks, comes from forward substitution in fp32 registers
+- `inverse="blocked"` (16-bit I/O, one chunk per CTA; the default there because it measured faster than "f16" on
+  the H200 at T 8192 and 32768, H 16, with outputs equal to "f16"'s against the Triton kernel to three digits,
+  bench/README.md, kernel-level runs, `bench/results/mosaic_gpu_intra_h200_blocked.log`): the chain shortened
+  from 10 dependent products to 4. T_16, the inverses of the four 16 x 16 diagonal blocks, comes from forward
+  substitution in fp32 registers
   (`tiles.block_diagonal_inverse`: -A stored to a plain fp32 [64, 72] SMEM tile, whose 72-word rows keep the
   WGMMA-layout transfers free of 8-way bank conflicts; each of 64 threads solves one column of its block in 15 dependent
   steps of FMAs on warp-broadcast SMEM reads; T_16 read back in WGMMA layout), exact up to fp32 rounding; then the fp16
@@ -96,17 +97,18 @@ it; each keeps the first form selectable ("split", 1, "rows") for A/B runs
   banks; no tiling is involved, so unaligned chunk starts stay legal. The price: K * itemsize / 128 boxes per tile
   instead of one (same bytes) and a register concatenation.
 
-Measured after the options (H200, bf16, T 8192, H 16, K = V = 128; device time of the kernel,
-`bench/results/mosaic_gpu_intra_h200_variants.log`; the Triton `_intra_kernel_v2` 0.296 ms): first form ("split",
-1, "rows") 0.149 ms; "f16" + "swizzled", one chunk per CTA 0.103 ms (the default); 4 or 8 chunks per CTA 0.124 /
-0.124 ms, "rows" landing with 4 per CTA 0.128 ms. The fp16 inverse and the conflict-free landing pay; several
-chunks per CTA do not (the extra SMEM and the in-place staging cost more than the overlap the second CTA per SM
-already gives). Every variant had the same error against the Triton kernel (max-rel and rel-RMS of each output
-identical to three digits: W 2.4e-3, U 2.8e-3 rel-RMS, from the bf16 right-hand sides).
+Measured after the options (H200, bf16, T 8192, H 16, K = V = 128; device time of the kernel, bench/README.md,
+kernel-level runs, `bench/results/mosaic_gpu_intra_h200_variants.log`): "f16" + "swizzled" with one chunk per CTA
+(then the default) was the fastest form, ahead of the first form ("split", 1, "rows"), of 4 or 8 chunks per CTA and
+of "rows" landing with 4 per CTA, and all of them ahead of the Triton `_intra_kernel_v2`. The fp16 inverse and the
+conflict-free landing pay; several chunks per CTA do not (the extra SMEM and the in-place staging cost more than
+the overlap the second CTA per SM already gives). Every variant had the same error against the Triton kernel
+(max-rel and rel-RMS of each output identical to three digits: W 2.4e-3, U 2.8e-3 rel-RMS, from the bf16 right-hand
+sides).
 
-Not done: folding the XLA beta prep (2 us of the 150 at T 8192) into the kernel needs a [64, HV] TMA box of the
-[T, HV] beta (HV * itemsize >= 16 bytes, not every head count) and a column read out of SMEM; later, if the kernel
-nears its memory floor.
+Not done: folding the XLA beta prep (a small fraction of the kernel's time at T 8192, bench/README.md) into the
+kernel needs a [64, HV] TMA box of the [T, HV] beta (HV * itemsize >= 16 bytes, not every head count) and a column
+read out of SMEM; later, if the kernel nears its memory floor.
 
 SMEM (`plgpu.RefUnion`s of groups with disjoint lifetimes). n = 1: the landing tiles; q's operand and the score
 outputs' staging; the inverse's operands and the W, U staging. bf16, K = V = 128: 99 KB per CTA (either inverse),

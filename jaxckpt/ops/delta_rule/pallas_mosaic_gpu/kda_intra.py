@@ -6,13 +6,13 @@ Built on jax 0.11.2 with `plgpu.kernel` (grid (chunk, value head), one warpgroup
 operands and fp32 accumulation); on CPU it runs under Mosaic GPU's interpreter (`interpret=True` or a
 `plgpu.InterpretGPUParams`). G is the chunk-local inclusive cumulative log decay (fp32 [HV, NC, C, K], `prepare`).
 
-Why it is built this way. The first version (H200, bf16, T 8192, H 16, K = V = 128: 1.09 ms, ~70 us per CTA, one
-CTA per SM at 186 KB of SMEM, `bench/results/mosaic_gpu_kda_intra_h200.log`; no profile was taken, so these are
-causes read from its code) held whole [C, K] fp32 tiles in registers (64 per thread each: G, the reference rows,
-the exps, q, k, next to the fp32 score sums), more than the 255 registers a thread has; unrolled its six score levels
-into one long straight line of code; left layouts to Mosaic GPU's warpgroup-semantics inference; and walked its
-score levels, ten split inverse products and W, U one blocking wgmma round trip after another, with nothing else on
-the SM to fill the gaps. This version:
+Why it is built this way. The first version (one CTA per SM at 186 KB of SMEM, several times slower than this one
+on the H200: bench/README.md, kernel-level runs, `bench/results/mosaic_gpu_kda_intra_h200.log`; no profile was
+taken, so these are causes read from its code) held whole [C, K] fp32 tiles in registers (64 per thread each: G,
+the reference rows, the exps, q, k, next to the fp32 score sums), more than the 255 registers a thread has;
+unrolled its six score levels into one long straight line of code; left layouts to Mosaic GPU's warpgroup-semantics
+inference; and walked its score levels, ten split inverse products and W, U one blocking wgmma round trip after
+another, with nothing else on the SM to fill the gaps. This version:
 
 - Column slabs. Every [C, K] elementwise pass runs on 32-column slabs ([C, 32] fp32: 16 registers per thread), and a
   score is a sum over channels, so a level's products accumulate slab by slab into one wgmma accumulator: slab n's
@@ -22,11 +22,11 @@ the SM to fill the gaps. This version:
 - Compact score code: a loop over the levels s = 32 .. 4 (s = 2^(5 - n), shifts rather than divisions), the slabs
   unrolled inside it, the reference-row selects a loop over the level's blocks; the two finest levels, which would
   take 80% of the selects, unrolled after it, their R_s built by the same selects (`reference="select"`, the
-  default) or read as row-shifted views of G (`reference="shifted"`, `_reference`). On the H200 the selects win:
-  0.341 vs 0.545 ms at (1, 8192, 16), 1.27 vs 2.22 ms at 32K (`bench/results/mosaic_gpu_kda_intra_h200_run2.log`):
-  the shifted views' 8-way bank-conflicted loads cost more than the ALU work they replace. No wgmma is in flight
-  across a loop edge (each level reads its accumulators before the next starts), which jla found necessary with
-  jax 0.11.2.
+  default) or read as row-shifted views of G (`reference="shifted"`, `_reference`). The selects measured faster on
+  the H200 at 8K and 32K tokens (bench/README.md, kernel-level runs,
+  `bench/results/mosaic_gpu_kda_intra_h200_run2.log`): the shifted views' 8-way bank-conflicted loads cost more
+  than the ALU work they replace. No wgmma is in flight across a loop edge (each level reads its accumulators
+  before the next starts), which jla found necessary with jax 0.11.2.
 - Lane lowering semantics: every register layout is the one written here (WGMMA, or its row or column reduction),
   so nothing is relaid out behind the code's back; lowering this kernel takes 3 s on a CPU (56 s with the
   warpgroup semantics' layout inference, before the level loop).
@@ -35,7 +35,7 @@ the SM to fill the gaps. This version:
   the TMA swizzle, so WGMMA-layout reads are conflict-free) instead of copied, the score operands are one slab wide,
   KD, QG and W leave through the landing pieces of k and q, U through v's, and the solve phase's tiles alias the
   score phase's two G copies. One CTA's serial chain (scores, inverse, W and U) now overlaps the other's, as in the
-  GDN kernel (0.103 ms at the same shape with two CTAs per SM).
+  GDN kernel, whose fastest form runs two CTAs per SM (bench/README.md, kernel-level runs).
 - An fp16 inverse (`inverse="f16"`; the "blocked" default keeps its merges): one wgmma and one stored term per doubling
   product instead of the split's three and two, a third of the inverse's tensor work and half its SMEM stores, all
   on the critical path. The argument and the numpy emulation are `intra`'s (same doubling, same
@@ -44,9 +44,10 @@ the SM to fill the gaps. This version:
   11 significant bits, TF32's class, and the outputs do not see it (their error is the 16-bit rounding of the
   right-hand sides and of the outputs). `inverse="split"` keeps the (hi, lo) products (~2^-16 relative), the only
   choice for fp32 inputs.
-- A blocked inverse (`inverse="blocked"`, 16-bit inputs; the default there since the H200 measured it: kernel 0.342 ->
-  0.329 ms at T 8192, 1.283 -> 1.235 ms at 32768, H 16, outputs equal to "f16"'s against the Triton kernel to three
-  digits, `bench/results/mosaic_gpu_kda_intra_h200_blocked.log`; the score levels, not the inverse, dominate):
+- A blocked inverse (`inverse="blocked"`, 16-bit inputs; the default there because it measured slightly faster
+  than "f16" on the H200 at T 8192 and 32768, H 16, with outputs equal to "f16"'s against the Triton kernel to three
+  digits, bench/README.md, kernel-level runs, `bench/results/mosaic_gpu_kda_intra_h200_blocked.log`; the score
+  levels, not the inverse, dominate):
   `intra`'s "blocked" (its docstring: why, accuracy, the interpreter's fallback to the doubling
   from s = 2): the four 16 x 16 diagonal blocks of T solved exactly in fp32 by forward substitution
   (`tiles.block_diagonal_inverse`), then the fp16 levels s = 16, 32 only: 4 dependent products on the chain

@@ -7,7 +7,8 @@ when jax moves.
 
 Why three warpgroups: the first state pass (one warpgroup per CTA, since removed: `bench/README.md`) had a chain
 from one chunk's S to the next through SMEM twice (S split to SMEM, wgmma W S, wait, v_new split to SMEM, wgmma
-KD^T v_new, wait), with the output products in the same commit group: ~2.5 us per 64-token chunk on an H200.
+KD^T v_new, wait), with the output products in the same commit group, and measured slower per 64-token chunk on
+the H200 than this pass (bench/README.md, kernel-level runs).
 
 Design, per grid point (lane, value head, column block j of BV = 64 columns of S), one CTA of three warpgroups:
 - The state is carried *transposed*, S^T [BV, K] fp32 in registers (WGMMA layout), so that both state-feeding
@@ -42,8 +43,9 @@ Design, per grid point (lane, value head, column block j of BV = 64 columns of S
   grid drops rows on the GPU). GDN reads G from the ring's G row, KDA from Checkpoints.G in global memory. The
   carried S never depends on checkpoints.
 - O: the output warpgroup stores each chunk's rows at the chunk's own tokens (chunk_start[c] ..), so no XLA gather
-  from a chunk-major copy follows (the first state pass wrote one: on the H200 that gather cost 0.023 of 0.33 ms at
-  (1, 8192, 16) and 0.11 of 0.79 ms on an 8-row varlen mix). Chunk starts follow the rows, off the 8-row grid, where
+  from a chunk-major copy follows (the first state pass wrote one, and on the H200 that gather took a measurable
+  share of the call, larger on a varlen mix: bench/README.md, "Variants measured and not taken"). Chunk starts
+  follow the rows, off the 8-row grid, where
   a TMA from an (8, 64)-tiled SMEM tile drops rows on the GPU ("TMA addresses" in `pipeline`), so
   the staging tile is `tiles.token_staging`: WGMMA-layout registers go in through its tiled view and a whole chunk
   leaves through its untiled 128-byte-swizzled view (the same bytes for 64 16-bit columns) as one [C, 64] box. A
@@ -66,10 +68,11 @@ next chunk's O is ready), checkpoint kr tiles 2 x 16 KB (only with checkpoints),
 `publish_slots=1` (the default; the state warpgroup waits for the output warpgroup's previous chunk before
 publishing) the ring takes 3 slots without checkpoints (226 KB) and 2 with them; with 2 publish slots, 2 slots (185 /
 217 KB). K = 64 and map_mode take 4 slots; `stages` forces a depth. A 2-slot ring leaves one chunk period to hide a
-load's latency. Measured on the H200 (`bench/results/mosaic_gpu_state_h200.log`): ~1.65 us per chunk step (the
-first pass: 2.5 us); `publish_slots=1` was faster in 6 of 8 cases (KDA with 8 checkpoints per row at 8K: 0.452 vs
-0.566 ms; GDN (8, 4096, 32): 0.438 vs 0.449 ms; within 4% elsewhere). Each waiter observes every phase of its
-barriers before the CTA ends (the `drain` loops): the interpreter checks it when a barrier is deallocated.
+load's latency. Measured on the H200 (bench/README.md, kernel-level runs,
+`bench/results/mosaic_gpu_state_h200.log`): a chunk step is markedly shorter than the first pass's, and
+`publish_slots=1` was faster in most cases and within a few percent in the rest, hence the default. Each waiter
+observes every phase of its barriers before the CTA ends (the `drain` loops): the interpreter checks it when a
+barrier is deallocated.
 
 Interpret mode: Mosaic GPU's interpreter (jax 0.11.2) reads a wgmma's A operand only from SMEM, so under
 `interpret` every register operand takes a detour through a scratch tile (`tiles.lhs`); the lowering (checked by
