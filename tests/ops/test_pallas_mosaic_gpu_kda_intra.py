@@ -7,8 +7,7 @@ Rows of lengths 0, 1, 36, 0, 83 then 10 padding tokens holding NaN: chunks start
 is partial and its TMA window runs past T (zero-filled), and the NaNs check that nothing past a chunk's length
 leaks into its outputs. The strong-decay case drives G below -88 inside a chunk, where a naive exp(G_i) exp(-G_j)
 factorisation overflows fp32. The interpreter computes 16-bit wgmmas exactly in fp32, as the tensor cores do. The
-cases cover both inverses ("f16", "split"), both ways of building the reference rows ("shifted", "select"), both
-score precisions and the three I/O dtypes.
+cases cover the inverses ("f16", "split", "blocked"), both score precisions and the three I/O dtypes.
 
 The kernel runs with the interpreter's race detector, which tracks TMA copies and RefUnion alias groups but not
 wgmma operand reads (no vector clocks on wgmma in jax 0.11.2), so a missing `commit_smem` before a wgmma is not
@@ -114,7 +113,7 @@ def fresh_interpreter():
 
 @pytest.mark.parametrize("dtype, num_heads, group, tuning", [
     (jnp.bfloat16, 2, 1, {}),  # score_parts 1 in fp16, the fp16 inverse, selected reference rows
-    (jnp.bfloat16, 2, 1, dict(reference="shifted", score_dtype="input")),
+    (jnp.bfloat16, 2, 1, dict(score_dtype="input")),
     (jnp.bfloat16, 1, 2, dict(score_parts=2, inverse="split")),
     (jnp.float16, 1, 1, {}),
     (jnp.float32, 1, 2, {}),  # everything split
@@ -175,7 +174,6 @@ def test_supports_reasons(monkeypatch):
     assert "score_parts" in mki.supports(q, q, v, beta, G, interpret=True, score_parts=3)
     assert "score_dtype" in mki.supports(q, q, v, beta, G, interpret=True, score_dtype="bfloat16")
     assert "inverse" in mki.supports(q, q, v, beta, G, interpret=True, inverse="f32")
-    assert "reference" in mki.supports(q, q, v, beta, G, interpret=True, reference="gather")
     q32, v32 = jnp.zeros((8, 2, 64)), jnp.zeros((8, 4, 64))
     assert "inverse" in mki.supports(q32, q32, v32, beta, G, interpret=True, inverse="f16")
     assert "inverse" in mki.supports(q32, q32, v32, beta, G, interpret=True, inverse="blocked")
@@ -200,7 +198,7 @@ def test_supports_reasons(monkeypatch):
 
 @pytest.mark.parametrize("dtype, head_k, head_v, tuning, two_per_sm", [
     (jnp.bfloat16, 128, 128, {}, True),  # the default: two CTAs share an SM
-    (jnp.bfloat16, 128, 128, dict(score_parts=2, inverse="split", reference="select"), False),
+    (jnp.bfloat16, 128, 128, dict(score_parts=2, inverse="split"), False),
     (jnp.float32, 128, 128, {}, False),  # 210 KB of SMEM, the largest configuration
     (jnp.bfloat16, 128, 128, dict(inverse="blocked"), True),  # the substitution lowers only here
     (jnp.float16, 64, 64, dict(inverse="blocked"), True),

@@ -19,18 +19,16 @@ another, with nothing else on the SM to fill the gaps. This version:
   wgmmas run while slab n + 1's exps are computed (its operands are built in registers, then the kernel waits for the
   previous wgmmas before overwriting the one-slab operand tiles). Peak live state is the two running score sums, the
   level's two accumulators and one slab's temporaries, about 200 registers.
-- Compact score code: a loop over the levels s = 32 .. 4 (s = 2^(5 - n), shifts rather than divisions), the slabs
-  unrolled inside it, the reference-row selects a loop over the level's blocks; the two finest levels, which would
-  take 80% of the selects, unrolled after it, their R_s built by the same selects (`reference="select"`, the
-  default) or read as row-shifted views of G (`reference="shifted"`, `_reference`). The selects measured faster on
-  the H200 at 8K and 32K tokens (bench/README.md, kernel-level runs,
-  `bench/results/mosaic_gpu_kda_intra_h200_run2.log`): the shifted views' 8-way bank-conflicted loads cost more
-  than the ALU work they replace. No wgmma is in flight across a loop edge (each level reads its accumulators
-  before the next starts), which jla found necessary with jax 0.11.2.
+- Compact score code: one loop over the levels s = 32 .. 1 (s = 2^(5 - n), shifts rather than divisions), the
+  slabs unrolled inside it, the reference-row selects a loop over the level's blocks (`_reference`). Reading the
+  finest levels' reference rows as row-shifted views of G instead measured slower on the H200 at 8K and 32K tokens
+  (bench/README.md, "Variants measured and not taken"): the views' 8-way bank-conflicted loads cost more than the
+  ALU work they replace. No wgmma is in flight across a loop edge (each level reads its accumulators before the
+  next starts), which jla found necessary with jax 0.11.2.
 - Lane lowering semantics: every register layout is the one written here (WGMMA, or its row or column reduction),
   so nothing is relaid out behind the code's back; lowering this kernel takes 3 s on a CPU (56 s with the
   warpgroup semantics' layout inference, before the level loop).
-- Two CTAs per SM. SMEM drops to 109 KB (bf16, K = V = 128, as the lowering counts it; two CTAs need at most
+- Two CTAs per SM. SMEM drops to 107 KB (bf16, K = V = 128, as the lowering counts it; two CTAs need at most
   113 KB each of the SM's 228 KB): the landing pieces of q and k are read in place (32-column TMA boxes that land with
   the TMA swizzle, so WGMMA-layout reads are conflict-free) instead of copied, the score operands are one slab wide,
   KD, QG and W leave through the landing pieces of k and q, U through v's, and the solve phase's tiles alias the
@@ -71,9 +69,8 @@ Per chunk c and value head h:
    (every exponent <= 0: nothing is ever exponentiated above 0), X = K ⊙ E_s holds the left factors in its
    lower-half rows and the right factors in its upper-half rows, Y = Q ⊙ E_s the query-side left factors; X X^T and
    Y X^T, masked to the level's quadrants, are that level's key and query scores. R_s is exact: each reference row
-   is read from the untiled G as a [32] vector per slab, broadcast and selected for its block, or, at s = 1, 2, R_s
-   is read as row-shifted views of that copy (ALU or SMEM work; a wgmma gather of bf16(G) would round r and push a
-   factor above 1). The diagonal i = j (query scores only) is the row
+   is read from the untiled G as a [32] vector per slab, broadcast and selected for its block (ALU work; a wgmma
+   gather of bf16(G) would round r and push a factor above 1). The diagonal i = j (query scores only) is the row
    sum of Q ⊙ K. An underflowed factor stands for a score below e^-87 |a_i| |k_j|.
 3. From the last reads of q, k and G: KD = K exp(G_last - G) and QG = scale Q exp(G) written in place into the
    landing pieces and stored by TMA; beta exp(G) K, the right-hand side of W, kept in registers (16-bit) until the
@@ -101,8 +98,8 @@ output rounding). fp32 inputs: every operand is split (score_parts 2, split inve
 kernel's IEEE fp32 dots: ~1e-7).
 
 SMEM per CTA as the lowering counts it (`plgpu.RefUnion`: the score phase's G copies and operand slabs alias the
-solve phase's tiles), K = V = 128: bf16 109 KB, two CTAs per SM (inverse="blocked" the same; inverse="split":
-123 KB, score_parts 2: 117 KB, one); fp32 211 KB. K = V = 64, bf16: 67 KB, three.
+solve phase's tiles), K = V = 128: bf16 107 KB, two CTAs per SM (inverse="blocked" the same; inverse="split":
+123 KB, score_parts 2: 115 KB, one); fp32 211 KB. K = V = 64, bf16: 67 KB, three.
 """
 
 from __future__ import annotations
@@ -121,13 +118,10 @@ from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import intra as mosaic_intra
 
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
 SLAB = 32  # columns per landing piece and per elementwise slab: [C, 32] fp32 is 16 registers per thread
-TUNING_KEYS = ("score_parts", "score_dtype", "inverse", "reference")
+TUNING_KEYS = ("score_parts", "score_dtype", "inverse")
 SCORE_DTYPES = ("input", "float16")
 INVERSES = ("f16", "split", "blocked")
-REFERENCES = ("shifted", "select")  # how levels s <= SHIFTED build R_s (`_reference`)
 LEVELS = (32, 16, 8, 4, 2, 1)  # half-block sizes s of the score split (module docstring, step 2)
-SHIFTED = 2  # with reference="shifted", levels s <= SHIFTED read R_s as row-shifted views of G
-ROW_PAD = 1  # rows of the untiled G copy before row 0 (the shifted views start up to 1 row early, end 2 late)
 SMEM_LIMIT = tiles.SMEM_BYTES  # sm_90's opt-in dynamic SMEM per CTA
 SMEM_ALIGN = 1024  # what `plgpu.RefUnion` aligns every ref to (jax 0.11.2, `core.SMEM_ALIGNMENT`)
 _F32 = jnp.float32
@@ -142,7 +136,7 @@ def default_tuning(io_dtype):
     16-bit inputs; fp32 inputs split everything."""
     fp32 = jnp.dtype(io_dtype) == _F32
     return dict(score_parts=2 if fp32 else 1, score_dtype="input" if fp32 else "float16",
-                inverse="split" if fp32 else "blocked", reference="select")
+                inverse="split" if fp32 else "blocked")
 
 
 def _landing(width, dtype):
@@ -160,7 +154,7 @@ def _smem_groups(head_k, head_v, io_dtype, score_parts, inverse, score_dtype="in
     score_op = jnp.float16 if score_dtype == "float16" else op_dtype
     inv_dtype, inv_parts = (_BF16, 2) if inverse == "split" else (jnp.float16, 1)
     persistent = [plgpu.SMEM((CHUNK,), _F32), _landing(head_k, io_dtype), _landing(head_k, io_dtype)]  # beta, q, k
-    scores = [_landing(head_k, _F32), plgpu.SMEM((ROW_PAD + CHUNK + SHIFTED, head_k), _F32),  # G: pieces, untiled
+    scores = [_landing(head_k, _F32), plgpu.SMEM((CHUNK, head_k), _F32),  # G: pieces, untiled
               tiles.swizzled((score_parts, CHUNK, SLAB), score_op),  # X and Y, one slab
               tiles.swizzled((score_parts, CHUNK, SLAB), score_op)]
     solve = [tiles.swizzled((CHUNK, CHUNK), io_dtype), _landing(head_v, io_dtype),  # AQK staging (then T), v
@@ -205,8 +199,6 @@ def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str
     if tuning["score_dtype"] not in SCORE_DTYPES or (fp32 and tuning["score_dtype"] != "input"):
         return (f"tuning: score_dtype must be one of {SCORE_DTYPES} ('input' for fp32 inputs), got "
                 f"{tuning['score_dtype']!r}")
-    if tuning["reference"] not in REFERENCES:
-        return f"tuning: reference must be one of {REFERENCES}, got {tuning['reference']!r}"
     smem = _smem_bytes(q.shape[-1], v.shape[-1], io_dtype, score_parts, inverse)
     if smem > SMEM_LIMIT:
         return (f"SMEM: {jnp.dtype(io_dtype).name} at K = {q.shape[-1]}, V = {v.shape[-1]}, {tuning} needs "
@@ -228,7 +220,7 @@ def _cols(j):
 
 def _row(g_rows, r, j):
     """G's row r (static or traced), columns of slab j, broadcast over a [C, SLAB] tile."""
-    return tiles.by_col(plgpu.load(g_rows.at[ROW_PAD + r, _cols(j)], layout=_COLS), (CHUNK, SLAB))
+    return tiles.by_col(plgpu.load(g_rows.at[r, _cols(j)], layout=_COLS), (CHUNK, SLAB))
 
 
 def _quadrants(log_s):
@@ -239,26 +231,10 @@ def _quadrants(log_s):
 
 
 def _reference(log_s, j, G, g_rows):
-    """Slab j of R_s, fp32 [C, SLAB]: row i holds G's row r_s(i) (module docstring, step 2), exactly.
-
-    log_s traced (the looped levels): the level's 32 / s reference rows, read as [SLAB] vectors, broadcast and
-    selected in a loop over its blocks: 16 selects per block and thread, 31 blocks at s = 1 and 15 at s = 2, about
-    80% of those selects. log_s static (`reference="shifted"`, s <= SHIFTED): r_s(i) - i takes only 2s values, so
-    R_s is G itself or one of 2s - 1 row-shifted views of the untiled copy (its rows 512 bytes apart, so each view is
-    an 8-way bank-conflicted load: 4 views per slab move the work from the ALUs to the SMEM pipe, which the rest of
-    the kernel leaves mostly idle; `reference="select"` keeps the selects for the A/B).
-    """
+    """Slab j of R_s, fp32 [C, SLAB]: row i holds G's row r_s(i) (module docstring, step 2), exactly: the level's
+    32 / s reference rows, read as [SLAB] vectors, broadcast and selected in a loop over its blocks (16 selects per
+    block and thread; 31 blocks at s = 1 and 15 at s = 2 take about 80% of them)."""
     rows = tiles.iota(G.shape, 0)
-    if isinstance(log_s, int) and (1 << log_s) <= SHIFTED:
-        s = 1 << log_s
-        shift = s - lax.rem(rows, 2 * s)  # r_s(i) - i, in [1 - s, s]
-        R = G
-        for d in range(1 - s, s + 1):
-            if d:
-                # `optimized=False`: the lowering refuses to emit a bank-conflicted transfer otherwise
-                view = plgpu.load(g_rows.at[pl.ds(ROW_PAD + d, CHUNK), _cols(j)], layout=_WG, optimized=False)
-                R = jnp.where(shift == d, view, R)
-        return R
     s = lax.shift_left(1, log_s)
 
     def select(b, R):  # blocks b >= 1: rows from 2sb on take row 2sb + s
@@ -279,10 +255,10 @@ def _level_operands(log_s, j, land_q, land_k, g_pieces, g_rows, dtype, parts):
     return tiles.split(x, dtype, parts), tiles.split(y, dtype, parts)
 
 
-def _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s, *, shifted):
-    """(key, query) scores of every strictly-lower pair, fp32 [C, C]: a loop over the levels s > `shifted` (one copy
-    of the code, for the instruction cache) and the levels s <= `shifted` (0 or SHIFTED) unrolled, each level slab by
-    slab into two accumulators, a slab's operands built in registers while the previous slab's wgmmas run."""
+def _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s):
+    """(key, query) scores of every strictly-lower pair, fp32 [C, C]: a loop over the levels (one copy of the code,
+    for the instruction cache), each level slab by slab into two accumulators, a slab's operands built in registers
+    while the previous slab's wgmmas run."""
     parts = x_s.shape[0]
     sq = (CHUNK, CHUNK)
 
@@ -308,11 +284,7 @@ def _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s, *, shifted):
         return sums[0] + jnp.where(keep, kk, 0.0), sums[1] + jnp.where(keep, qk, 0.0)
 
     zero = plgpu.layout_cast(jnp.zeros(sq, _F32), _WG)
-    looped = sum(s > shifted for s in LEVELS)
-    sums = lax.fori_loop(0, looped, lambda n, sums: level(len(LEVELS) - 1 - n, sums), (zero, zero))
-    for log_s in reversed(range(len(LEVELS) - looped)):
-        sums = level(log_s, sums)
-    return sums
+    return lax.fori_loop(0, len(LEVELS), lambda n, sums: level(len(LEVELS) - 1 - n, sums), (zero, zero))
 
 
 def _inverse(A, t_buf, p_buf, *, pad=None):
@@ -359,7 +331,7 @@ def _copy_in(src, land, bar):
 
 def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref,
                       aqk_ref, b_s, land_q, land_k, phases, bar, v_bar, *, group, scale, parts, t_single,
-                      shifted, substitute):
+                      substitute):
     """`substitute`: T_16 by the substitution in the pad tile ("blocked" off the interpreter)."""
     (g_pieces, g_rows, x_s, y_s), (aqk_s, land_v, kb_s, vb_s, t_buf, p_buf), *pad_group = phases
     pad = pad_group[0][1] if substitute else None
@@ -370,7 +342,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
     _copy_in(q_ref.at[rows, hk], land_q, bar)
     _copy_in(k_ref.at[rows, hk], land_k, bar)
     _copy_in(G_ref.at[h, c], g_pieces, bar)  # chunk-major, so tile-aligned
-    plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_rows.at[pl.ds(ROW_PAD, CHUNK)], bar)
+    plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_rows, bar)
     plgpu.copy_gmem_to_smem(beta_ref.at[h, c], b_s, bar)
     plgpu.barrier_wait(bar)
 
@@ -386,7 +358,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
     plgpu.commit_smem()
 
     sq = (CHUNK, CHUNK)
-    kk, qk = _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s, shifted=shifted)
+    kk, qk = _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s)
 
     # the last reads of q, k and G: KD and QG in place in the landing pieces, beta exp(G) K in registers until the
     # score phase's SMEM (which the solve phase's tiles alias) is dead
@@ -456,8 +428,7 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     interpreter on CPU. Tuning (`TUNING_KEYS`, module docstring; each left out takes `default_tuning`'s value):
     `score_parts` (1 or 2: the score operands rounded once or split; 2 for fp32 inputs), `score_dtype` ("float16",
     the default for 16-bit inputs, or "input": the 16-bit type of the score operands; "input" for fp32), `inverse`
-    ("f16", "split" or "blocked"; "split" for fp32 inputs) and `reference` ("shifted" or "select": how the finest
-    score levels build their reference rows).
+    ("f16", "split" or "blocked"; "split" for fp32 inputs).
 
     Returns (w [HV, NC, C, K], u [HV, NC, C, V], kd [HV, NC, C, K], qg [HV, NC, C, K], aqk [HV, NC, C, C]), all in
     the I/O dtype (promote(k, v); fp32 if that is 32 bits or wider), padding rows zero.
@@ -480,8 +451,7 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     kernel = plgpu.kernel(
         functools.partial(_kda_intra_kernel, group=group, scale=float(scale), parts=2 if fp32 else 1,
                           t_single=tuning["inverse"] != "split",
-                          substitute=tuning["inverse"] == "blocked" and not interpret,
-                          shifted=SHIFTED if tuning["reference"] == "shifted" else 0),
+                          substitute=tuning["inverse"] == "blocked" and not interpret),
         out_type=(chunk_array(head_k), chunk_array(head_v), chunk_array(head_k), chunk_array(head_k),
                   chunk_array(chunk)),
         scratch_types=[*persistent, plgpu.RefUnion(*groups),
