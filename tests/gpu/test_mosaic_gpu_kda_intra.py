@@ -17,6 +17,7 @@ pytestmark = pytest.mark.gpu
     ("bfloat16", False, dict(score_parts=2, inverse="split"), 6e-3),
     ("bfloat16", True, {}, 6e-3),   # G far below -88 inside chunks: a naive factorisation would overflow
     ("float16", False, {}, 2e-3),
+    ("float16", False, dict(inverse="split"), 2e-3),
     ("float32", False, {}, 3e-5),   # the precise path: split-bf16 products, not TF32
     # the substitution for T's 16 x 16 diagonal blocks (Mosaic GPU code: it runs only here, the interpreter doubles)
     ("bfloat16", False, dict(inverse="blocked"), 6e-3),

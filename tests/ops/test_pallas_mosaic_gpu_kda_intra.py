@@ -116,6 +116,7 @@ def fresh_interpreter():
     (jnp.bfloat16, 2, 1, dict(score_dtype="input")),
     (jnp.bfloat16, 1, 2, dict(score_parts=2, inverse="split")),
     (jnp.float16, 1, 1, {}),
+    (jnp.float16, 1, 1, dict(inverse="split")),  # the split inverse's terms in the I/O dtype
     (jnp.float32, 1, 2, {}),  # everything split
     # under the interpreter "blocked" doubles from s = 2 (it cannot run the substitution): this runs its SMEM layout
     # (the pad tile nested with beta V's and the inverse's tiles) under the race detector

@@ -152,7 +152,8 @@ def _smem_groups(head_k, head_v, io_dtype, score_parts, inverse, score_dtype="in
     fp32 = io_dtype == _F32
     op_dtype, parts = (_BF16, 2) if fp32 else (io_dtype, 1)
     score_op = jnp.float16 if score_dtype == "float16" else op_dtype
-    inv_dtype, inv_parts = (_BF16, 2) if inverse == "split" else (jnp.float16, 1)
+    # the split inverse's terms share W and U's right-hand sides' dtype (one wgmma type per product)
+    inv_dtype, inv_parts = (op_dtype, 2) if inverse == "split" else (jnp.float16, 1)
     persistent = [plgpu.SMEM((CHUNK,), _F32), _landing(head_k, io_dtype), _landing(head_k, io_dtype)]  # beta, q, k
     scores = [_landing(head_k, _F32), plgpu.SMEM((CHUNK, head_k), _F32),  # G: pieces, untiled
               tiles.swizzled((score_parts, CHUNK, SLAB), score_op),  # X and Y, one slab
