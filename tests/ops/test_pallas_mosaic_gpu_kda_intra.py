@@ -112,7 +112,7 @@ def fresh_interpreter():
 
 
 @pytest.mark.parametrize("dtype, num_heads, group, tuning", [
-    (jnp.bfloat16, 2, 1, {}),  # score_parts 1 in fp16, the fp16 inverse, selected reference rows
+    (jnp.bfloat16, 2, 1, {}),  # the defaults: score_parts 1 in fp16, the "blocked" inverse
     (jnp.bfloat16, 2, 1, dict(score_dtype="input")),
     (jnp.bfloat16, 1, 2, dict(score_parts=2, inverse="split")),
     (jnp.float16, 1, 1, {}),

@@ -231,11 +231,11 @@ def _quadrants(log_s):
     return same & (lax.shift_right_logical(rows, log_s) & 1 == 1) & (lax.shift_right_logical(cols, log_s) & 1 == 0)
 
 
-def _reference(log_s, j, G, g_rows):
+def _reference(log_s, j, g_rows):
     """Slab j of R_s, fp32 [C, SLAB]: row i holds G's row r_s(i) (module docstring, step 2), exactly: the level's
     32 / s reference rows, read as [SLAB] vectors, broadcast and selected in a loop over its blocks (16 selects per
     block and thread; 31 blocks at s = 1 and 15 at s = 2 take about 80% of them)."""
-    rows = tiles.iota(G.shape, 0)
+    rows = tiles.iota((CHUNK, SLAB), 0)
     s = lax.shift_left(1, log_s)
 
     def select(b, R):  # blocks b >= 1: rows from 2sb on take row 2sb + s
@@ -248,7 +248,7 @@ def _level_operands(log_s, j, land_q, land_k, g_pieces, g_rows, dtype, parts):
     """Slab j of level s = 2^log_s's score operands (module docstring, step 2): the terms of X = K ⊙ E_s and
     Y = Q ⊙ E_s."""
     G = plgpu.load(g_pieces.at[j], layout=_WG)
-    R = _reference(log_s, j, G, g_rows)
+    R = _reference(log_s, j, g_rows)
     lower = lax.shift_right_logical(tiles.iota(G.shape, 0), log_s) & 1 == 1
     E = jnp.exp(jnp.where(lower, G - R, R - G))  # every exponent <= 0
     x = plgpu.load(land_k.at[j], layout=_WG).astype(_F32) * E
