@@ -116,9 +116,10 @@ def triton_kda_intra(p, q, k, v, beta, G, *, interpret=False):
                         interpret=interpret)
 
 
-def mosaic_kda_intra(p, q, k, v, beta, G, *, interpret=False, **tuning):
-    """(w, u, kd, qg, aqk) of the Mosaic GPU kernel on p's layout."""
+def mosaic_kda_intra(p, q, k, v, beta, g, *, checkpoint_count=None, interpret=False, **tuning):
+    """(w, u, kd, qg, aqk, G_last, G at checkpoint chunks or None) of the Mosaic GPU kernel on p's layout, from the
+    raw gate g [T, HV, K]."""
     from jaxckpt.ops.delta_rule.pallas_mosaic_gpu.kda_intra import kda_intra
 
-    return kda_intra(p.lay.chunk_start, p.lay.chunk_len, q, k, v, beta, G, chunk=CHUNK,
-                     group=v.shape[1] // q.shape[1], scale=p.scale, interpret=interpret, **tuning)
+    return kda_intra(p.lay.chunk_start, p.lay.chunk_len, q, k, v, beta, g, chunk=CHUNK, group=v.shape[1] // q.shape[1],
+                     scale=p.scale, checkpoint_count=checkpoint_count, interpret=interpret, **tuning)

@@ -14,6 +14,8 @@ wgmma operand reads (no vector clocks on wgmma in jax 0.11.2), so a missing `com
 caught here; `test_lowers_for_sm90` checks what only the real lowering checks (SMEM size, layouts, TMA shapes).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,17 +77,32 @@ def run_all(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQL
         raw_keys(rng, x, norms=raw)  # keys with norms in that range
     for name in ("q", "k", "v"):
         x[name][cu_seqlens[-1]:] = np.nan  # padding tokens: never read unmasked
-    p = prepared(x, cu_seqlens, dtype, interpret=interpret)
-    inputs = (p.q, p.k, p.v, p.beta, p.G)
+    p = prepared(x, cu_seqlens, dtype, interpret=interpret)  # G from the gate cumsum launch, for the Triton kernel
+    g = np.where(np.arange(num_tokens)[:, None, None] < cu_seqlens[-1], x["g"], np.nan)  # the raw gate, NaN padding
+    inputs = (p.q, p.k, p.v, p.beta)
+    # chunks with 0, 1 or 2 checkpoints: the kernel writes G's rows at those with some
+    checkpoint_count = jnp.asarray(rng.integers(0, 3, size=p.lay.chunk_len.shape[0]), jnp.int32)
     mosaic_interpret = plgpu.InterpretGPUParams(detect_races=True) if interpret else False
-    mosaic = mosaic_kda_intra(p, *inputs, interpret=mosaic_interpret, **tuning)
+    mosaic = mosaic_kda_intra(p, *inputs, jnp.asarray(g, jnp.float32), checkpoint_count=checkpoint_count,
+                              interpret=mosaic_interpret, **tuning)
     if interpret:
         assert not get_races().races_found, f"seed {seed}: SMEM race (printed above)"
-    triton = triton_kda_intra(p, *inputs, interpret=interpret)
+    check_gate_cumsum(seed, *mosaic[5:], np.asarray(p.G), np.asarray(checkpoint_count))
+    triton = triton_kda_intra(p, *inputs, p.G, interpret=interpret)
     exact = float64_intra(p.lay.chunk_start, p.lay.chunk_len, *(np.asarray(a, np.float64) for a in (p.q, p.k, p.v)),
                           x["beta"].astype(np.float64), x["g"].astype(np.float64), group=group, scale=p.scale)
-    return ([np.asarray(o) for o in mosaic], [np.asarray(o) for o in triton], exact, np.asarray(p.lay.chunk_len),
+    return ([np.asarray(o) for o in mosaic[:5]], [np.asarray(o) for o in triton], exact, np.asarray(p.lay.chunk_len),
             np.asarray(p.G))
+
+
+def check_gate_cumsum(seed, G_last, G, expected, checkpoint_count):
+    """The kernel's G against the gate cumsum launch's (fp32 sums in another order): G_last at every chunk, G's rows
+    at the chunks that hold checkpoints."""
+    G_last, G = np.asarray(G_last), np.asarray(G)
+    scale = np.abs(expected).max()
+    assert np.abs(G_last - expected[:, :, -1]).max() <= 1e-6 * scale, f"seed {seed}: G_last"
+    held = checkpoint_count > 0
+    assert np.abs(G[:, held] - expected[:, held]).max() <= 1e-6 * scale, f"seed {seed}: G at checkpoint chunks"
 
 
 def check_outputs(seed, dtype, mosaic, triton, exact, chunk_len, tol):
@@ -164,37 +181,40 @@ def test_strong_decays_stay_exact():
 def test_supports_reasons(monkeypatch):
     q = jnp.zeros((8, 2, 64), jnp.bfloat16)
     v = jnp.zeros((8, 4, 64), jnp.bfloat16)
-    beta, G = jnp.zeros((8, 4)), jnp.zeros((4, 1, CHUNK, 64))
-    assert mki.supports(q, q, v, beta, G, interpret=True) is None
-    assert "chunk" in mki.supports(q, q, v, beta, G, chunk=32, interpret=True)
-    assert "K:" in mki.supports(q[..., :32], q[..., :32], v, beta, G, interpret=True)
-    assert "V:" in mki.supports(q, q, jnp.zeros((8, 4, 256), jnp.bfloat16), beta, G, interpret=True)
-    assert "multiple" in mki.supports(q, q, v[:, :3], beta[:, :3], G[:3], interpret=True)
-    assert "dtype" in mki.supports(q.astype(jnp.int8), q, v, beta, G, interpret=True)
-    assert "tuning" in mki.supports(q, q, v, beta, G, interpret=True, block_v=64)
-    assert "score_parts" in mki.supports(q, q, v, beta, G, interpret=True, score_parts=3)
-    assert "score_dtype" in mki.supports(q, q, v, beta, G, interpret=True, score_dtype="bfloat16")
-    assert "inverse" in mki.supports(q, q, v, beta, G, interpret=True, inverse="f32")
+    beta, g = jnp.zeros((8, 4)), jnp.zeros((8, 4, 64))
+    supports = functools.partial(mki.supports, num_chunks=1, interpret=True)
+    assert supports(q, q, v, beta, g) is None
+    assert "chunk" in supports(q, q, v, beta, g, chunk=32)
+    assert "K:" in supports(q[..., :32], q[..., :32], v, beta, g[..., :32])
+    assert "V:" in supports(q, q, jnp.zeros((8, 4, 256), jnp.bfloat16), beta, g)
+    assert "multiple" in supports(q, q, v[:, :3], beta[:, :3], g[:, :3])
+    assert "dtype" in supports(q.astype(jnp.int8), q, v, beta, g)
+    assert "g:" in supports(q, q, v, beta, g[:, :2])
+    assert "G" in supports(q, q, v, beta, jnp.zeros((4, 1, CHUNK, 64)))
+    assert "tuning" in supports(q, q, v, beta, g, block_v=64)
+    assert "score_parts" in supports(q, q, v, beta, g, score_parts=3)
+    assert "score_dtype" in supports(q, q, v, beta, g, score_dtype="bfloat16")
+    assert "inverse" in supports(q, q, v, beta, g, inverse="f32")
     q32, v32 = jnp.zeros((8, 2, 64)), jnp.zeros((8, 4, 64))
-    assert "inverse" in mki.supports(q32, q32, v32, beta, G, interpret=True, inverse="f16")
-    assert "inverse" in mki.supports(q32, q32, v32, beta, G, interpret=True, inverse="blocked")
-    assert mki.supports(q, q, v, beta, G, interpret=True, inverse="blocked") is None
+    assert "inverse" in supports(q32, q32, v32, beta, g, inverse="f16")
+    assert "inverse" in supports(q32, q32, v32, beta, g, inverse="blocked")
+    assert supports(q, q, v, beta, g, inverse="blocked") is None
     # the pad tile shares the bytes of beta V's and the inverse's tiles
     assert mki._smem_bytes(128, 128, jnp.dtype(jnp.bfloat16), 1, "blocked") == mki._smem_bytes(
         128, 128, jnp.dtype(jnp.bfloat16), 1, "f16")
     smem = mki._smem_bytes(128, 128, jnp.dtype(jnp.bfloat16), 2, "split")
     monkeypatch.setattr(mki, "SMEM_LIMIT", smem - 1)
     q128, v128 = jnp.zeros((8, 2, 128), jnp.bfloat16), jnp.zeros((8, 4, 128), jnp.bfloat16)
-    G128 = jnp.zeros((4, 1, CHUNK, 128))
-    assert "SMEM" in mki.supports(q128, q128, v128, beta, G128, interpret=True, score_parts=2, inverse="split")
-    assert mki.supports(q128, q128, v128, beta, G128, interpret=True) is None
-    # the chunk axis lands on CUDA's grid y (at most 65535 CTAs); only G's shape is read
-    assert "65536 CTAs" in mki.supports(q, q, v, beta, jax.ShapeDtypeStruct((4, 65536, CHUNK, 64), jnp.float32),
-                                        interpret=True)
+    g128 = jnp.zeros((8, 4, 128))
+    assert "SMEM" in supports(q128, q128, v128, beta, g128, score_parts=2, inverse="split")
+    assert supports(q128, q128, v128, beta, g128) is None
+    # the chunk axis lands on CUDA's grid y (at most 65535 CTAs)
+    assert "65536 CTAs" in mki.supports(q, q, v, beta, g, num_chunks=65536, interpret=True)
     if jax.default_backend() == "cpu":
-        assert "backend" in mki.supports(q, q, v, beta, G)
+        assert "backend" in mki.supports(q, q, v, beta, g, num_chunks=1)
     with pytest.raises(ValueError, match="group"):
-        mki.kda_intra(None, None, q, q, v, beta, G, chunk=CHUNK, group=1, scale=0.1, interpret=True)
+        chunks = jnp.zeros(1, jnp.int32)
+        mki.kda_intra(chunks, chunks, q, q, v, beta, g, chunk=CHUNK, group=1, scale=0.1, interpret=True)
 
 
 @pytest.mark.parametrize("dtype, head_k, head_v, tuning, two_per_sm", [
@@ -219,6 +239,7 @@ def test_lowers_for_sm90(monkeypatch, dtype, head_k, head_v, tuning, two_per_sm)
     arg = jax.ShapeDtypeStruct
     args = (arg((num_chunks,), jnp.int32), arg((num_chunks,), jnp.int32), arg((num_tokens, num_heads, head_k), dtype),
             arg((num_tokens, num_heads, head_k), dtype), arg((num_tokens, 2 * num_heads, head_v), dtype),
-            arg((num_tokens, 2 * num_heads), dtype), arg((2 * num_heads, num_chunks, CHUNK, head_k), jnp.float32))
-    fn = jax.jit(lambda *a: mki.kda_intra(*a, chunk=CHUNK, group=2, scale=0.1, **tuning))
+            arg((num_tokens, 2 * num_heads), dtype), arg((num_tokens, 2 * num_heads, head_k), jnp.float32),
+            arg((num_chunks,), jnp.int32))
+    fn = jax.jit(lambda *a: mki.kda_intra(*a[:7], checkpoint_count=a[7], chunk=CHUNK, group=2, scale=0.1, **tuning))
     assert "kda_intra_mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()

@@ -184,6 +184,11 @@ def prepared(request):
     return per_channel, p, intermediates, options, (o[:CU_SEQLENS[-1]], final, ckpt[:CHECKPOINT_CU[-1]])
 
 
+def decays(p, per_channel):
+    """What the state pass takes as each chunk's decay: KDA G's last rows [HV, NC, K], GDN G [HV, NC, C]."""
+    return p.G[:, :, -1] if per_channel else p.G
+
+
 def tokens(p, o):
     """The rows' tokens of the token-order output [T, HV, V], after checking that the padding tokens are zero."""
     o = np.asarray(o)
@@ -196,8 +201,8 @@ def tokens(p, o):
 def test_state_pass_split_matches_float64(prepared, emulated, pieces):
     per_channel, p, (w, u, kd, qg, aqk), options, (o_ref, final_ref, ckpt_ref) = prepared
     init = jnp.asarray(options["initial_state"])
-    o, final, ckpt = split.state_pass_split(p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel,
-                                            pieces=pieces)
+    o, final, ckpt = split.state_pass_split(p, w, u, kd, qg, aqk, init, decays(p, per_channel),
+                                            per_channel_decay=per_channel, pieces=pieces)
     num_rows = CU_SEQLENS.size - 1
     assert [(c["lanes"], c["map_mode"]) for c in emulated] == (
         [(num_rows * pieces, False)] if pieces == 1 else [(num_rows * (pieces - 1), True), (num_rows * pieces, False)])
@@ -216,7 +221,7 @@ def test_state_pass_split_matches_float64(prepared, emulated, pieces):
 def test_pieces_agree_with_one_piece(prepared, emulated):
     # the join is exact: pieces change the results by the fp32 rounding of the maps and the scan only
     per_channel, p, (w, u, kd, qg, aqk), options, _ = prepared
-    run = lambda pieces, init: split.state_pass_split(p, w, u, kd, qg, aqk, init,  # noqa: E731
+    run = lambda pieces, init: split.state_pass_split(p, w, u, kd, qg, aqk, init, decays(p, per_channel),  # noqa: E731
                                                       per_channel_decay=per_channel, pieces=pieces)
     for init in (jnp.asarray(options["initial_state"]), None):
         one = run(1, init)
@@ -358,7 +363,8 @@ def test_split_lowers_for_sm90(per_channel):
     def fn(cu, ccu, offsets, q, k, G, w, u, kd, qg, aqk, init):
         lay = chunk_layout(cu, ccu, offsets, chunk_size=CHUNK, num_tokens=T, xp=jnp)
         p = cumsum.Prepared(q, k, None, None, G, lay, cu, ccu, 1.0, bf)
-        return split.state_pass_split(p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel, pieces=4)
+        return split.state_pass_split(p, w, u, kd, qg, aqk, init, decays(p, per_channel),
+                                      per_channel_decay=per_channel, pieces=4)
 
     tile = lambda width: arg((H, NC, CHUNK, width), bf)  # noqa: E731
     args = (arg((2,), jnp.int32), arg((2,), jnp.int32), arg((3,), jnp.int32), arg((T, H, D), bf), arg((T, H, D), bf),

@@ -45,14 +45,17 @@ class Prepared(NamedTuple):
     scale: float
     io_dtype: object     # dtype of the stored intermediates: fp32 or the 16-bit input dtype
     G_lo: object = None  # G's lo part (`gate_cumsum(..., split=True)`), as G; None: G is whole
+    g: object = None     # fp32 [T', HV, K]: the raw gate, for a KDA intra kernel that forms G itself (G None)
 
 
 def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seqlens, checkpoint_cu,
-            checkpoint_offsets, chunk_size, interpret, intra_num_warps=4, num_stages=2, split_gates=False) -> Prepared:
+            checkpoint_offsets, chunk_size, interpret, intra_num_warps=4, num_stages=2, split_gates=False,
+            launch_cumsum=True) -> Prepared:
     """Metadata, input casts, the optional L2 norms and the gate cumsum launch: what the later passes of both kernel
     pipelines start from. `split_gates`: for fp32 I/O, G as hi + lo (`gate_cumsum(split=True)`), as the Pallas
     Triton pipeline's kernels take it (16-bit inputs keep one G: its cancellation is far below their error class,
-    and the second G tile costs KDA time; bench/README.md, "Pallas Triton")."""
+    and the second G tile costs KDA time; bench/README.md, "Pallas Triton"). `launch_cumsum=False` (KDA on Mosaic
+    GPU, whose intra kernel forms G from the raw gate): no launch, G None and the fp32 gate in `g`."""
     num_tokens, _, head_k = q.shape
     chunk = chunk_size
     if scale is None:
@@ -68,6 +71,9 @@ def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seq
         q, k, v, g, beta = (jnp.zeros((1, *x.shape[1:]), x.dtype) for x in (q, k, v, g, beta))
     lay = chunk_layout(cu_seqlens, checkpoint_cu, checkpoint_offsets, chunk_size=chunk, num_tokens=q.shape[0],
                        xp=jnp)
+    if not launch_cumsum:
+        return Prepared(q, k, v, beta, None, lay, cu_seqlens, checkpoint_cu, float(scale), io_dtype,
+                        g=g.astype(_F32))
     split = split_gates and io_dtype == _F32
     G = gate_cumsum(lay.chunk_start, lay.chunk_len, g, per_channel_decay=per_channel_decay, chunk=chunk, split=split,
                     interpret=interpret, num_warps=intra_num_warps, num_stages=num_stages)

@@ -114,6 +114,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
+from jaxckpt.ops.common.log_decay import floor_log_decay
 from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import intra as mosaic_intra
 
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
@@ -183,12 +184,16 @@ def _smem_bytes(head_k, head_v, io_dtype, score_parts, inverse):
     return _nbytes(persistent + [plgpu.RefUnion(*groups)]) + SMEM_ALIGN  # + the barriers
 
 
-def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str | None:
-    """None when `kda_intra` can run the call, else the reason (so the caller can fall back)."""
-    reason = tiles.input_reason(q, k, v, beta, G, chunk=chunk, tuning=tuning, tuning_keys=TUNING_KEYS,
-                                G_shape="HV, NC, C, K")
+def supports(q, k, v, beta, g, *, num_chunks, chunk=CHUNK, interpret=False, **tuning) -> str | None:
+    """None when `kda_intra` can run the call (`num_chunks`: the chunk layout's NC), else the reason (so the caller
+    can fall back)."""
+    reason = tiles.input_reason(q, k, v, beta, g, chunk=chunk, tuning=tuning, tuning_keys=TUNING_KEYS,
+                                G_shape="T, HV, K")
     if reason is not None:
         return reason
+    if g.shape != (q.shape[0], v.shape[1], q.shape[2]):
+        expected = (q.shape[0], v.shape[1], q.shape[2])
+        return f"g: expected the per-channel log decay [T, HV, K] = {expected}, got {g.shape}"
     io_dtype = tiles.io_dtype(k, v)
     fp32 = io_dtype == _F32
     tuning = {**default_tuning(io_dtype), **tuning}
@@ -204,7 +209,7 @@ def supports(q, k, v, beta, G, *, chunk=CHUNK, interpret=False, **tuning) -> str
     if smem > SMEM_LIMIT:
         return (f"SMEM: {jnp.dtype(io_dtype).name} at K = {q.shape[-1]}, V = {v.shape[-1]}, {tuning} needs "
                 f"{smem // 1024} KB per CTA, more than {SMEM_LIMIT // 1024} KB")
-    return mosaic_intra.launch_reason(G.shape[1], interpret=interpret)
+    return mosaic_intra.launch_reason(num_chunks, interpret=interpret)
 
 
 def _terms(buf, parts):
@@ -288,6 +293,34 @@ def _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s):
     return lax.fori_loop(0, len(LEVELS), lambda n, sums: level(len(LEVELS) - 1 - n, sums), (zero, zero))
 
 
+def _gate_cumsum(g_pieces, g_rows, operand_tiles, valid, detour):
+    """G, the chunk-local inclusive cumsum of the floored log decay, from the raw gate landed in g_pieces: per slab
+    G = L g on the tensor cores (L the [C, C] lower-triangular ones, exact in 16 bits; g as a sum of exact 16-bit
+    terms, module docstring, step 1), written over g_pieces and into g_rows' rows. Rows past the chunk's length add
+    0, so G stays flat on them. operand_tiles: the [C, SLAB] 16-bit score-operand tiles, free before the scores."""
+    dtype = operand_tiles[0].dtype
+    num_terms = 2 if dtype == jnp.float16 else 3  # fp16 keeps 11 bits a term, bf16 8: 22 or 24 of fp32's 24
+    sq = (CHUNK, CHUNK)
+    lower = tiles.lhs(jnp.where(tiles.iota(sq, 0) >= tiles.iota(sq, 1), 1.0, 0.0).astype(dtype), detour)
+    for j in _slabs(g_pieces):
+        rest = jnp.where(valid, floor_log_decay(plgpu.load(g_pieces.at[j], layout=_WG)), 0.0)
+        terms = []
+        for _ in range(num_terms):
+            terms.append(rest.astype(dtype))
+            rest = rest - terms[-1].astype(_F32)
+        G = None
+        for first in range(0, num_terms, len(operand_tiles)):
+            batch = terms[first:first + len(operand_tiles)]
+            for tile, term in zip(operand_tiles, batch):
+                tile[...] = term
+            plgpu.commit_smem()
+            part = tiles.matmul((CHUNK, SLAB), [(lower, tile) for tile in operand_tiles[:len(batch)]])
+            G = part if G is None else G + part
+        g_pieces.at[j][...] = G
+        g_rows.at[:, _cols(j)][...] = G
+    plgpu.commit_smem()
+
+
 def _inverse(A, t_buf, p_buf, *, pad=None):
     """(I + A)^-1 (fp32) of a strictly lower-triangular fp32 [C, C] tile by recursive doubling (module docstring,
     step 4); each product on t_buf's and p_buf's terms (one fp16 term, or bf16 (hi, lo)). pad (the "blocked"
@@ -330,10 +363,16 @@ def _copy_in(src, land, bar):
         plgpu.copy_gmem_to_smem(src.at[:, _cols(j)], land.at[j], bar)
 
 
-def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref,
-                      aqk_ref, b_s, land_q, land_k, phases, bar, v_bar, *, group, scale, parts, t_single,
-                      substitute):
+def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, has_checkpoints, interpret):
     """`substitute`: T_16 by the substitution in the pad tile ("blocked" off the interpreter)."""
+    refs = list(refs)
+    take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
+    start_ref, len_ref = take(2)
+    ck_ref = refs.pop(0) if has_checkpoints else None
+    q_ref, k_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, kd_ref, qg_ref, aqk_ref, g_last_ref = take(11)
+    G_ref = refs.pop(0) if has_checkpoints else None
+    b_s, land_q, land_k, phases, bar, v_bar = take(6)
+    detour = refs.pop(0) if interpret else None
     (g_pieces, g_rows, x_s, y_s), (aqk_s, land_v, kb_s, vb_s, t_buf, p_buf), *pad_group = phases
     pad = pad_group[0][1] if substitute else None
     c, h = lax.axis_index("c"), lax.axis_index("h")
@@ -342,13 +381,19 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
     rows = pl.ds(start, CHUNK)
     _copy_in(q_ref.at[rows, hk], land_q, bar)
     _copy_in(k_ref.at[rows, hk], land_k, bar)
-    _copy_in(G_ref.at[h, c], g_pieces, bar)  # chunk-major, so tile-aligned
-    plgpu.copy_gmem_to_smem(G_ref.at[h, c], g_rows, bar)
+    _copy_in(g_ref.at[rows, h], g_pieces, bar)
     plgpu.copy_gmem_to_smem(beta_ref.at[h, c], b_s, bar)
     plgpu.barrier_wait(bar)
 
     slab = (CHUNK, SLAB)
     valid = tiles.iota(slab, 0) < length
+    _gate_cumsum(g_pieces, g_rows, [*_terms(x_s, x_s.shape[0]), *_terms(y_s, y_s.shape[0])], valid, detour)
+    # G leaves for the state pass: its last row (every chunk's decay) and, at chunks that hold checkpoints, its rows
+    plgpu.copy_smem_to_gmem(g_rows.at[CHUNK - 1], g_last_ref.at[h, c])
+    if has_checkpoints:
+        @pl.when(ck_ref[c] > 0)
+        def _():
+            plgpu.copy_smem_to_gmem(g_rows, G_ref.at[h, c])
     # rows past the chunk's length zeroed in place, once (every later read sees them); the diagonal of the query
     # scores (exp(0) = 1) on the way
     diag = None
@@ -379,6 +424,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
         land_k.at[j][...] = (k * jnp.exp(_row(g_rows, CHUNK - 1, j) - G)).astype(land_k.dtype)  # padding: G flat
         land_q.at[j][...] = (scale * q * gamma).astype(land_q.dtype)
     plgpu.commit_smem()  # also a warpgroup barrier: the score phase's tiles are dead from here on
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # G's stores (long done) have read g_rows
     _copy_out(land_k, kd_ref.at[h, c])
     _copy_out(land_q, qg_ref.at[h, c])
     _copy_in(v_ref.at[rows, h], land_v, v_bar)
@@ -416,15 +462,17 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def kda_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, interpret=False, **tuning):
-    """W, U, KD, QG and AQK of every chunk (what `intra_v2(..., per_channel_decay=True)` returns), on Mosaic GPU;
-    ValueError naming the reason when `supports` declines the call.
+def kda_intra(chunk_start, chunk_len, q, k, v, beta, g, *, chunk, group, scale, checkpoint_count=None,
+              interpret=False, **tuning):
+    """W, U, KD, QG and AQK of every chunk (what `intra_v2(..., per_channel_decay=True)` returns), on Mosaic GPU, with
+    G formed inside the kernel from the raw gate; ValueError naming the reason when `supports` declines the call.
 
     chunk_start, chunk_len  # i32[NC] from `jaxckpt.plan.layout.chunk_layout` (a row's chunks restart at its start)
     q, k                    # [T, H, K]
     v                       # [T, HV, V]
     beta                    # [T, HV]
-    G                       # fp32 [HV, NC, C, K]: chunk-local inclusive cumsum of the log decay (`prepare`)
+    g                       # [T, HV, K] per-channel log decay (floored at `LOG_DECAY_FLOOR` here, as `prepare` does)
+    checkpoint_count        # i32[NC]: checkpoints per chunk (`checkpoint_ranges`), or None (no checkpoints)
     `group` = HV // H, `scale` a Python number. `interpret`: True (or an `InterpretGPUParams`) runs Mosaic GPU's
     interpreter on CPU. Tuning (`TUNING_KEYS`, module docstring; each left out takes `default_tuning`'s value):
     `score_parts` (1 or 2: the score operands rounded once or split; 2 for fp32 inputs), `score_dtype` ("float16",
@@ -432,35 +480,45 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     ("f16", "split" or "blocked"; "split" for fp32 inputs).
 
     Returns (w [HV, NC, C, K], u [HV, NC, C, V], kd [HV, NC, C, K], qg [HV, NC, C, K], aqk [HV, NC, C, C]), all in
-    the I/O dtype (promote(k, v); fp32 if that is 32 bits or wider), padding rows zero.
+    the I/O dtype (promote(k, v); fp32 if that is 32 bits or wider), padding rows zero; then G's last rows G_last
+    fp32 [HV, NC, K] (the chunks' decays) and G fp32 [HV, NC, C, K] whose chunks with checkpoints hold G (the
+    others are never written), or None without checkpoints.
     """
-    mosaic_intra.check_launch(supports(q, k, v, beta, G, chunk=chunk, interpret=bool(interpret), **tuning), q, v,
-                              group=group)
+    num_chunks = chunk_start.shape[0]
+    mosaic_intra.check_launch(supports(q, k, v, beta, g, num_chunks=num_chunks, chunk=chunk,
+                                       interpret=bool(interpret), **tuning), q, v, group=group)
     head_k = q.shape[-1]
     num_v_heads, head_v = v.shape[1:]
-    num_chunks = G.shape[1]
     io_dtype = tiles.io_dtype(k, v)
     fp32 = io_dtype == _F32
     tuning = {**default_tuning(io_dtype), **tuning}
     q, k, v = (x.astype(io_dtype) for x in (q, k, v))
+    has_checkpoints = checkpoint_count is not None
 
     beta_c = tiles.chunk_major_beta(chunk_start, chunk_len, beta, chunk=chunk)  # fp32 [HV, NC, C]
 
     persistent, groups = _smem_groups(head_k, head_v, io_dtype, tuning["score_parts"], tuning["inverse"],
                                       tuning["score_dtype"])
-    chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), io_dtype)
+    chunk_array = lambda width: jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, width), io_dtype)  # noqa: E731
+    out_type = [chunk_array(head_k), chunk_array(head_v), chunk_array(head_k), chunk_array(head_k), chunk_array(chunk),
+                jax.ShapeDtypeStruct((num_v_heads, num_chunks, head_k), _F32)]
+    if has_checkpoints:
+        out_type.append(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, head_k), _F32))
+    scratch = [*persistent, plgpu.RefUnion(*groups),
+               plgpu.Barrier(num_arrivals=3 * head_k // SLAB + 1), plgpu.Barrier(num_arrivals=head_v // SLAB)]
+    if interpret:  # the interpreter reads wgmma A operands from SMEM only (`tiles.lhs`)
+        scratch.append(tiles.swizzled((CHUNK, CHUNK), groups[0][2].dtype))
     kernel = plgpu.kernel(
         functools.partial(_kda_intra_kernel, group=group, scale=float(scale), parts=2 if fp32 else 1,
                           t_single=tuning["inverse"] != "split",
-                          substitute=tuning["inverse"] == "blocked" and not interpret),
-        out_type=(chunk_array(head_k), chunk_array(head_v), chunk_array(head_k), chunk_array(head_k),
-                  chunk_array(chunk)),
-        scratch_types=[*persistent, plgpu.RefUnion(*groups),
-                       plgpu.Barrier(num_arrivals=2 * head_k // SLAB + head_k // SLAB + 2),
-                       plgpu.Barrier(num_arrivals=head_v // SLAB)],
+                          substitute=tuning["inverse"] == "blocked" and not interpret,
+                          has_checkpoints=has_checkpoints, interpret=bool(interpret)),
+        out_type=tuple(out_type), scratch_types=scratch,
         grid=(num_chunks, num_v_heads), grid_names=("c", "h"), interpret=tiles.interpret_params(interpret),
         # exp as ex2.approx (one MUFU op and a multiply, as the Triton kernels' exp2) rather than libdevice's expf
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         kernel_name="kda_intra_mosaic_gpu",
     )
-    return kernel(chunk_start, chunk_len, q, k, v, beta_c, G.astype(_F32))
+    counts = [checkpoint_count.astype(jnp.int32)] if has_checkpoints else []
+    outs = kernel(chunk_start, chunk_len, *counts, q, k, v, beta_c, g.astype(_F32))
+    return (*outs[:6], outs[6] if has_checkpoints else None)

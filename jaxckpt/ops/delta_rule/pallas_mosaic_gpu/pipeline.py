@@ -55,6 +55,7 @@ import numpy as np
 
 from jaxckpt.ops.common import device
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
+from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges
 from jaxckpt.ops.common.configs import MAX_MOSAIC_PIECES
 from jaxckpt.ops.common.contract import kernel_dtype_reason
 from jaxckpt.ops.delta_rule import cumsum
@@ -164,12 +165,15 @@ def supports(q, k, v, g, beta, *, chunk_size=64, interpret=False, cu_seqlens=Non
     if tuning.get("state") != "fused":  # "fused": its kkt kernel replaces the intra pass
         if "kda_score_parts" in tuning and g.ndim != 3:
             return "tuning: kda_score_parts tunes the KDA Mosaic GPU intra pass; this is a GDN call"
-        intra_module = mosaic_kda_intra if g.ndim == 3 else mosaic_intra
-        gate_tail = (q.shape[-1],) if g.ndim == 3 else ()
-        G = jax.ShapeDtypeStruct((v.shape[1], num_chunks, CHUNK, *gate_tail), _F32)
         mosaic_tuning = {_MOSAIC_INTRA_TUNING[key]: value for key, value in tuning.items()
                          if key in _MOSAIC_INTRA_TUNING}
-        reason = intra_module.supports(q, k, v, beta, G, chunk=chunk_size, interpret=interpret, **mosaic_tuning)
+        if g.ndim == 3:  # the KDA intra kernel takes the raw gate
+            reason = mosaic_kda_intra.supports(q, k, v, beta, jax.ShapeDtypeStruct(g.shape, _F32),
+                                               num_chunks=num_chunks, chunk=chunk_size, interpret=interpret,
+                                               **mosaic_tuning)
+        else:
+            G = jax.ShapeDtypeStruct((v.shape[1], num_chunks, CHUNK), _F32)
+            reason = mosaic_intra.supports(q, k, v, beta, G, chunk=chunk_size, interpret=interpret, **mosaic_tuning)
         if reason is not None:
             return f"intra pass: {reason}"
     if not interpret and not device.is_hopper():
@@ -230,7 +234,8 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     p = cumsum.prepare(q, k, v, g, beta, per_channel_decay=per_channel_decay, scale=scale,
                        use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
                        checkpoint_offsets=checkpoint_offsets, chunk_size=chunk_size, interpret=triton_interpret,
-                       intra_num_warps=intra_num_warps, num_stages=num_stages)
+                       intra_num_warps=intra_num_warps, num_stages=num_stages,
+                       launch_cumsum=not per_channel_decay or state == "fused")
     init = None
     if initial_state is not None:
         init = initial_state.astype(_F32)
@@ -248,15 +253,24 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
         o, final_state, checkpoint_states = mosaic_split.fused_pass_split(p, init, pieces=pieces, interpret=interpret,
                                                                           state_terms=state_terms)
     else:
-        intra_kernel = mosaic_kda_intra.kda_intra if per_channel_decay else mosaic_intra.gdn_intra
         given = {"kda_score_parts": kda_score_parts, "intra_inverse": intra_inverse}
         mosaic_tuning = {_MOSAIC_INTRA_TUNING[key]: value for key, value in given.items() if value is not None}
-        w, u, kd, qg, aqk = intra_kernel(p.lay.chunk_start, p.lay.chunk_len, p.q, p.k, p.v, p.beta, p.G,
-                                         chunk=chunk_size, group=p.v.shape[1] // p.q.shape[1], scale=p.scale,
-                                         interpret=interpret, **mosaic_tuning)
+        options = dict(chunk=chunk_size, group=p.v.shape[1] // p.q.shape[1], scale=p.scale, interpret=interpret,
+                       **mosaic_tuning)
+        intra_inputs = (lay.chunk_start, lay.chunk_len, p.q, p.k, p.v, p.beta)
+        if per_channel_decay:
+            # the KDA intra kernel forms G from the raw gate and returns what the state pass reads of it: every
+            # chunk's last row (its decay) and the rows of the chunks that hold checkpoints
+            counts = checkpoint_ranges(lay, lay.chunk_len.shape[0])[1] if lay.checkpoint_pos.shape[0] else None
+            w, u, kd, qg, aqk, decays, G = mosaic_kda_intra.kda_intra(*intra_inputs, p.g, checkpoint_count=counts,
+                                                                       **options)
+            p = p._replace(G=G)
+        else:
+            w, u, kd, qg, aqk = mosaic_intra.gdn_intra(*intra_inputs, p.G, **options)
+            decays = p.G
         o, final_state, checkpoint_states = mosaic_split.state_pass_split(
-            p, w, u, kd, qg, aqk, init, per_channel_decay=per_channel_decay, pieces=pieces, interpret=interpret,
-            state_terms=state_terms)
+            p, w, u, kd, qg, aqk, init, decays, per_channel_decay=per_channel_decay, pieces=pieces,
+            interpret=interpret, state_terms=state_terms)
     o = o[:num_tokens]  # token order, padding tokens zero; T' = 1 for an empty call
     num_ckpt = lay.checkpoint_pos.shape[0]
     checkpoint_states = jnp.where(lay.checkpoint_valid[:, None, None, None], checkpoint_states[:num_ckpt], 0)

@@ -138,7 +138,8 @@ def _split(lay, init, run_lanes, *, pieces):
     return o, final.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
 
 
-def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, interpret=False, state_terms=2):
+def state_pass_split(p, w, u, kd, qg, aqk, init, decays, *, per_channel_decay, pieces, interpret=False,
+                     state_terms=2):
     """`state.state_pass_v2` (same arguments and results) with each row cut into `pieces` lanes
     (module docstring), both passes on `state.state_lanes`.
 
@@ -146,12 +147,12 @@ def state_pass_split(p, w, u, kd, qg, aqk, init, *, per_channel_decay, pieces, i
     u           # [HV, NC, C, V]
     aqk         # [HV, NC, C, C]
     init        # fp32 [N, HV, K, V] or None (zeros)
+    decays      # fp32: GDN G [HV, NC, C]; KDA G's last rows [HV, NC, K] (p.G need hold only checkpoint chunks)
     Returns (o [T', HV, V] in token order (`prepare`'s T' = max(T, 1)), padding tokens zero, final fp32
     [N, HV, K, V], checkpoints fp32 [max(M, 1), HV, K, V], padded entries unspecified).
     """
     lay = p.lay
     num_v_heads, num_chunks, chunk = w.shape[:3]
-    decays = p.G[:, :, chunk - 1, :] if per_channel_decay else p.G  # KDA: G_last [HV, NC, K]; GDN: [HV, NC, C]
     # states cross the lanes kernel transposed, its own layout: only the rows' initial and final states and the
     # checkpoints are transposed, not every lane's start and end state nor the maps
     options = dict(per_channel_decay=per_channel_decay, group=num_v_heads // p.q.shape[1], interpret=interpret,
