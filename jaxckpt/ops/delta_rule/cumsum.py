@@ -5,10 +5,10 @@ exp(G_a - G_b) a later kernel takes is of (hi_a - hi_b) + (lo_a - lo_b), whose e
 before the pair (`pallas_triton_tiles.Cumsum`). A separate launch because every later kernel reads sub-tiles and
 single rows of G, and register tiles cannot be sliced in the Triton lowering (no `slice` rule).
 
-The cumsum kernel is a Pallas kernel for the Triton lowering, which the Mosaic GPU pipeline runs too. No other cumsum
-is worth a variant: in the default call's H200 traces it takes 1.1-1.3% of GDN's device time, and for KDA (5.7-7.4%)
-it runs at the copy floor of the fp32 gate it reads and the G it writes (2 x 0.54 GB at (8, 4096, 32)); only not
-writing G at all would save more (bench/README.md, "The default call on Hopper").
+The cumsum kernel is a Pallas kernel for the Triton lowering, which the Mosaic GPU pipeline runs for GDN (1.1-1.3% of
+its default call's device time in the H200 traces, bench/README.md, "The default call on Hopper"). For KDA this
+launch ran at the copy floor of the fp32 per-channel gate it reads and the G it writes (5.7-7.4%), which only not
+writing G saves: the Mosaic GPU KDA intra kernel forms G itself (`prepare(..., launch_cumsum=False)`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ layouts and dtypes; the math and the score factorisation are in `jaxckpt/ops/del
 
 Built on jax 0.11.2 with `plgpu.kernel` (grid (chunk, value head), one warpgroup per CTA, Hopper wgmma with 16-bit
 operands and fp32 accumulation); on CPU it runs under Mosaic GPU's interpreter (`interpret=True` or a
-`plgpu.InterpretGPUParams`). G is the chunk-local inclusive cumulative log decay (fp32 [HV, NC, C, K], `prepare`).
+`plgpu.InterpretGPUParams`). G is the chunk-local inclusive cumulative log decay, formed in the kernel (step 1).
 
 Why it is built this way. The first version (one CTA per SM at 186 KB of SMEM, several times slower than this one
 on the H200: bench/README.md, kernel-level runs, `bench/results/mosaic_gpu_kda_intra_h200.log`; no profile was
@@ -56,11 +56,18 @@ persistent CTA that prefetches the next chunk (for GDN, several chunks per CTA m
 
 Per chunk c and value head h:
 
-1. TMA loads: q and k rows [start, start + 64) (key head h // group) in 32-column boxes into swizzled landing
-   pieces (no tiling: chunk starts follow cu_seqlens, and a tiled TMA destination needs tile-aligned starts), G twice
-   (32-column swizzled pieces for [C, 32] slab loads; untiled, for single rows) and the chunk-major beta row (made in
-   XLA, padding rows 0: a [T, HV] column is strided, which TMA cannot read). Rows past the chunk's length are
-   zeroed in place (`where`, so NaN padding stays out); G stays flat on them (their g loads as 0 in `prepare`).
+1. TMA loads: q and k rows [start, start + 64) (key head h // group) and the raw gate's (value head h) in 32-column
+   boxes into swizzled landing pieces (no tiling: chunk starts follow cu_seqlens, and a tiled TMA destination needs
+   tile-aligned starts), and the chunk-major beta row (made in XLA, padding rows 0: a [T, HV] column is strided,
+   which TMA cannot read). Rows past the chunk's length are zeroed in place (`where`, so NaN padding stays out).
+   G, the chunk-local inclusive cumsum of the gate floored at `LOG_DECAY_FLOOR`, is formed here rather than by a
+   launch of its own (which for KDA moved the fp32 [T, HV, K] gate and G once more through memory): per slab,
+   G = L g on the tensor cores, L the [C, C] lower-triangular ones (exact in 16 bits) and g, with its padding rows
+   0 (so G stays flat on them), a sum of exact 16-bit terms held in the score-operand tiles, free until the scores
+   (two fp16 terms keep 22 of fp32's 24 significant bits, three bf16 terms all of them): fp32 accumulation, so G
+   is a cumsum to fp32 rounding in another summation order. G goes over the gate's landing pieces and into an
+   untiled copy (single rows for the reference rows), and leaves for the state pass: every chunk's last row (its
+   decay) and, at chunks that hold checkpoints, all its rows.
 2. Scores, exact for any decay. Every strictly-lower pair (i, j) of the 64-row chunk lies in exactly one
    (lower half, upper half) quadrant of a 2s-row block, s = 32, 16, 8, 4, 2, 1 (32·32 + 2·16·16 + ... + 32·1·1 =
    2016 = 64·63/2 pairs). In the 2s-row block starting at b, r = b + s satisfies j < r <= i for all of that

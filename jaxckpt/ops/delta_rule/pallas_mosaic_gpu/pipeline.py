@@ -5,7 +5,7 @@ Written against jax 0.11.2 (`jax.experimental.pallas.mosaic_gpu` as plgpu: `plgp
 semantics); the Mosaic GPU API changes between jax releases, so check this module when jax moves.
 
 `delta_rule_mosaic` has `delta_rule.pallas_triton.delta_rule`'s contract and results. It runs the shared first stage
-(`delta_rule.cumsum.prepare`: layout, norms, the gate cumsum), an intra pass writing chunk-major w, u, kd, qg, aqk
+(`delta_rule.cumsum.prepare`: layout, norms, GDN's gate cumsum), an intra pass writing chunk-major w, u, kd, qg, aqk
 [HV, NC, C, *] in the 16-bit input dtype (the Mosaic GPU kernels of `intra` / `kda_intra`), then a state pass chosen
 by `state` (defaults: `default_tuning`): "v2", the lanes kernel of `state` (the default), or "fused" (GDN:
 `gdn_fused`, which replaces the intra pass). Both fuse the output:
@@ -14,8 +14,9 @@ by `state` (defaults: `default_tuning`): "v2", the lanes kernel of `state` (the 
     v_new = U_c - W_c S;   O_c = QG_c S + AQK_c v_new;   S <- exp(G_last) S + KD_c^T v_new
     (KDA: exp(G_last) is a [K] vector scaling the rows of S.)
 
-Both run behind the sequence split (`split`); the cumsum launch is shared. Both store O straight into the token
-layout [T, HV, V] with the padding tokens zero (an untiled TMA view, `state` docstring, "O").
+Both run behind the sequence split (`split`). KDA's intra kernel forms G from the raw gate itself and returns what
+the state pass reads of it (each chunk's last row, the rows of checkpoint chunks). Both store O straight into the
+token layout [T, HV, V] with the padding tokens zero (an untiled TMA view, `state` docstring, "O").
 
 Precision of the state chain: wgmma takes 16-bit operands, so with `state_terms=2` the fp32 S and v_new feed the
 state-feeding products as an unevaluated sum x_hi + x_lo of two 16-bit tiles (x_hi = x rounded, x_lo = the
@@ -235,7 +236,7 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
                        use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
                        checkpoint_offsets=checkpoint_offsets, chunk_size=chunk_size, interpret=triton_interpret,
                        intra_num_warps=intra_num_warps, num_stages=num_stages,
-                       launch_cumsum=not per_channel_decay or state == "fused")
+                       launch_cumsum=not per_channel_decay)
     init = None
     if initial_state is not None:
         init = initial_state.astype(_F32)
