@@ -39,7 +39,7 @@ def test_real_shape_against_triton_and_float64(dtype, strong, tuning, tol):
     dtype = jnp.dtype(dtype)
     num_heads, dim = 4, 128
     q = jnp.zeros((NUM_TOKENS, num_heads, dim), dtype)
-    reason = mki.supports(q, q, q, q[..., 0], jnp.zeros((num_heads, 1, 64, dim)),
+    reason = mki.supports(q, q, q, q[..., 0], jnp.zeros((NUM_TOKENS, num_heads, dim)), num_chunks=1,
                           **{k: v for k, v in tuning.items() if k != "raw"})
     if reason is not None:
         pytest.skip(reason)
