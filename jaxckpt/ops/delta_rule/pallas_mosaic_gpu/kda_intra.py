@@ -63,11 +63,12 @@ Per chunk c and value head h:
    G, the chunk-local inclusive cumsum of the gate floored at `LOG_DECAY_FLOOR`, is formed here rather than by a
    launch of its own (which for KDA moved the fp32 [T, HV, K] gate and G once more through memory): per slab,
    G = L g on the tensor cores, L the [C, C] lower-triangular ones (exact in 16 bits) and g, with its padding rows
-   0 (so G stays flat on them), a sum of exact 16-bit terms held in the score-operand tiles, free until the scores
-   (two fp16 terms keep 22 of fp32's 24 significant bits, three bf16 terms all of them): fp32 accumulation, so G
-   is a cumsum to fp32 rounding in another summation order. G goes over the gate's landing pieces and into an
-   untiled copy (single rows for the reference rows), and leaves for the state pass: every chunk's last row (its
-   decay) and, at chunks that hold checkpoints, all its rows.
+   0 (so G stays flat on them), a sum of exact 16-bit terms (two fp16 terms keep 22 of fp32's 24 significant
+   bits, three bf16 terms all of them), each stored transposed so that it is a K-major B operand, L held as register
+   A: fp32 accumulation, so G is a cumsum to fp32 rounding in another summation order. G goes over the gate's
+   landing pieces, then into an untiled copy (single rows for the reference rows) whose bytes the term tiles held,
+   and leaves for the state pass: every chunk's last row (its decay) and, at chunks that hold checkpoints, all its
+   rows.
 2. Scores, exact for any decay. Every strictly-lower pair (i, j) of the 64-row chunk lies in exactly one
    (lower half, upper half) quadrant of a 2s-row block, s = 32, 16, 8, 4, 2, 1 (32·32 + 2·16·16 + ... + 32·1·1 =
    2016 = 64·63/2 pairs). In the 2s-row block starting at b, r = b + s satisfies j < r <= i for all of that
@@ -155,8 +156,8 @@ def _landing(width, dtype):
 
 
 def _smem_groups(head_k, head_v, io_dtype, score_parts, inverse, score_dtype="input"):
-    """(persistent refs, the aliased groups: score phase, solve phase and, for "blocked", the pad tile's): the SMEM
-    scratch of one CTA."""
+    """(persistent refs, the aliased groups: score phase, solve phase, the gate cumsum's term tiles and, for
+    "blocked", the pad tile's): the SMEM scratch of one CTA."""
     fp32 = io_dtype == _F32
     op_dtype, parts = (_BF16, 2) if fp32 else (io_dtype, 1)
     score_op = jnp.float16 if score_dtype == "float16" else op_dtype
@@ -169,7 +170,9 @@ def _smem_groups(head_k, head_v, io_dtype, score_parts, inverse, score_dtype="in
     solve = [tiles.swizzled((CHUNK, CHUNK), io_dtype), _landing(head_v, io_dtype),  # AQK staging (then T), v
              tiles.swizzled((parts, CHUNK, head_k), op_dtype), tiles.swizzled((parts, CHUNK, head_v), op_dtype),
              tiles.swizzled((inv_parts, CHUNK, CHUNK), inv_dtype), tiles.swizzled((inv_parts, CHUNK, CHUNK), inv_dtype)]
-    groups = [scores, solve]
+    # the gate cumsum's terms of g (`_gate_cumsum`), transposed, where the untiled G copy goes once they are read
+    terms = [tiles.swizzled((SLAB, CHUNK), score_op) for _ in range(_num_terms(score_op))]
+    groups = [scores, solve, [plgpu.SMEM((_nbytes(scores[:1]),), jnp.int8), *terms]]
     if inverse == "blocked":
         # the substitution's pad tile where beta V's and the inverse's tiles sit (dead until T_16 is in registers),
         # after a spacer over the solve tiles live through the inverse (AQK's staging, v's landing, beta exp(G) K):
@@ -300,31 +303,32 @@ def _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s):
     return lax.fori_loop(0, len(LEVELS), lambda n, sums: level(len(LEVELS) - 1 - n, sums), (zero, zero))
 
 
-def _gate_cumsum(g_pieces, g_rows, operand_tiles, valid, detour):
+def _num_terms(dtype):
+    """16-bit terms that carry an fp32 gate exactly enough: fp16 keeps 11 bits a term, bf16 8 (22 or 24 of 24)."""
+    return 2 if jnp.dtype(dtype) == jnp.float16 else 3
+
+
+def _gate_cumsum(g_pieces, g_rows, term_tiles, valid, detour):
     """G, the chunk-local inclusive cumsum of the floored log decay, from the raw gate landed in g_pieces: per slab
-    G = L g on the tensor cores (L the [C, C] lower-triangular ones, exact in 16 bits; g as a sum of exact 16-bit
-    terms, module docstring, step 1), written over g_pieces and into g_rows' rows. Rows past the chunk's length add
-    0, so G stays flat on them. operand_tiles: the [C, SLAB] 16-bit score-operand tiles, free before the scores."""
-    dtype = operand_tiles[0].dtype
-    num_terms = 2 if dtype == jnp.float16 else 3  # fp16 keeps 11 bits a term, bf16 8: 22 or 24 of fp32's 24
+    G = L g on the tensor cores (L the [C, C] lower-triangular ones, exact in 16 bits, as register A; g as a sum of
+    exact 16-bit terms stored transposed into term_tiles [SLAB, C], so each is a K-major B operand; module docstring,
+    step 1), written over g_pieces; then g_rows, whose bytes the term tiles share, takes G's rows. Rows past the
+    chunk's length add 0, so G stays flat on them."""
+    dtype = term_tiles[0].dtype
     sq = (CHUNK, CHUNK)
     lower = tiles.lhs(jnp.where(tiles.iota(sq, 0) >= tiles.iota(sq, 1), 1.0, 0.0).astype(dtype), detour)
     for j in _slabs(g_pieces):
         rest = jnp.where(valid, floor_log_decay(plgpu.load(g_pieces.at[j], layout=_WG)), 0.0)
-        terms = []
-        for _ in range(num_terms):
-            terms.append(rest.astype(dtype))
-            rest = rest - terms[-1].astype(_F32)
-        G = None
-        for first in range(0, num_terms, len(operand_tiles)):
-            batch = terms[first:first + len(operand_tiles)]
-            for tile, term in zip(operand_tiles, batch):
-                tile[...] = term
-            plgpu.commit_smem()
-            part = tiles.matmul((CHUNK, SLAB), [(lower, tile) for tile in operand_tiles[:len(batch)]])
-            G = part if G is None else G + part
+        for tile in term_tiles:
+            term = rest.astype(dtype)
+            tile.T[...] = term
+            rest = rest - term.astype(_F32)
+        plgpu.commit_smem()
+        G = tiles.matmul((CHUNK, SLAB), [(lower, tile.T) for tile in term_tiles])  # waits: the tiles are read
         g_pieces.at[j][...] = G
-        g_rows.at[:, _cols(j)][...] = G
+    plgpu.commit_smem()
+    for j in _slabs(g_pieces):
+        g_rows.at[:, _cols(j)][...] = plgpu.load(g_pieces.at[j], layout=_WG)
     plgpu.commit_smem()
 
 
@@ -380,7 +384,7 @@ def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, has_chec
     G_ref = refs.pop(0) if has_checkpoints else None
     b_s, land_q, land_k, phases, bar, v_bar = take(6)
     detour = refs.pop(0) if interpret else None
-    (g_pieces, g_rows, x_s, y_s), (aqk_s, land_v, kb_s, vb_s, t_buf, p_buf), *pad_group = phases
+    (g_pieces, g_rows, x_s, y_s), (aqk_s, land_v, kb_s, vb_s, t_buf, p_buf), (_, *term_tiles), *pad_group = phases
     pad = pad_group[0][1] if substitute else None
     c, h = lax.axis_index("c"), lax.axis_index("h")
     hk = lax.div(h, group)
@@ -394,7 +398,7 @@ def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, has_chec
 
     slab = (CHUNK, SLAB)
     valid = tiles.iota(slab, 0) < length
-    _gate_cumsum(g_pieces, g_rows, [*_terms(x_s, x_s.shape[0]), *_terms(y_s, y_s.shape[0])], valid, detour)
+    _gate_cumsum(g_pieces, g_rows, term_tiles, valid, detour)
     # G leaves for the state pass: its last row (every chunk's decay) and, at chunks that hold checkpoints, its rows
     plgpu.copy_smem_to_gmem(g_rows.at[CHUNK - 1], g_last_ref.at[h, c])
     if has_checkpoints:
