@@ -64,11 +64,12 @@ Per chunk c and value head h:
    launch of its own (which for KDA moved the fp32 [T, HV, K] gate and G once more through memory): per slab,
    G = L g on the tensor cores, L the [C, C] lower-triangular ones (exact in 16 bits) and g, with its padding rows
    0 (so G stays flat on them), a sum of exact 16-bit terms (two fp16 terms keep 22 of fp32's 24 significant
-   bits, three bf16 terms all of them), each stored transposed so that it is a K-major B operand, L held as register
-   A: fp32 accumulation, so G is a cumsum to fp32 rounding in another summation order. G goes over the gate's
-   landing pieces, then into an untiled copy (single rows for the reference rows) whose bytes the term tiles held,
-   and leaves for the state pass: every chunk's last row (its decay) and, at chunks that hold checkpoints, all its
-   rows.
+   bits, three bf16 terms all of them), each stored transposed so that it is a K-major B operand, and L from SMEM
+   (as register A, L gave wrong rows on the GPU from time to time, rows 8-15 of a 16-row group, which the
+   interpreter cannot show): fp32 accumulation, so G is a cumsum to fp32 rounding in another summation order. G goes
+   over the gate's landing pieces, then into an untiled copy (single rows for the reference rows) whose bytes L and
+   the term tiles held, and leaves for the state pass: every chunk's last row (its decay) and, at chunks that hold
+   checkpoints, all its rows.
 2. Scores, exact for any decay. Every strictly-lower pair (i, j) of the 64-row chunk lies in exactly one
    (lower half, upper half) quadrant of a 2s-row block, s = 32, 16, 8, 4, 2, 1 (32·32 + 2·16·16 + ... + 32·1·1 =
    2016 = 64·63/2 pairs). In the 2s-row block starting at b, r = b + s satisfies j < r <= i for all of that
@@ -170,9 +171,10 @@ def _smem_groups(head_k, head_v, io_dtype, score_parts, inverse, score_dtype="in
     solve = [tiles.swizzled((CHUNK, CHUNK), io_dtype), _landing(head_v, io_dtype),  # AQK staging (then T), v
              tiles.swizzled((parts, CHUNK, head_k), op_dtype), tiles.swizzled((parts, CHUNK, head_v), op_dtype),
              tiles.swizzled((inv_parts, CHUNK, CHUNK), inv_dtype), tiles.swizzled((inv_parts, CHUNK, CHUNK), inv_dtype)]
-    # the gate cumsum's terms of g (`_gate_cumsum`), transposed, where the untiled G copy goes once they are read
-    terms = [tiles.swizzled((SLAB, CHUNK), score_op) for _ in range(_num_terms(score_op))]
-    groups = [scores, solve, [plgpu.SMEM((_nbytes(scores[:1]),), jnp.int8), *terms]]
+    # the gate cumsum's L and terms of g (`_gate_cumsum`), where the untiled G copy goes once they are read
+    cumsum = [tiles.swizzled((CHUNK, CHUNK), score_op),
+              *[tiles.swizzled((SLAB, CHUNK), score_op) for _ in range(_num_terms(score_op))]]
+    groups = [scores, solve, [plgpu.SMEM((_nbytes(scores[:1]),), jnp.int8), *cumsum]]
     if inverse == "blocked":
         # the substitution's pad tile where beta V's and the inverse's tiles sit (dead until T_16 is in registers),
         # after a spacer over the solve tiles live through the inverse (AQK's staging, v's landing, beta exp(G) K):
@@ -308,23 +310,25 @@ def _num_terms(dtype):
     return 2 if jnp.dtype(dtype) == jnp.float16 else 3
 
 
-def _gate_cumsum(g_pieces, g_rows, term_tiles, valid, detour):
+def _gate_cumsum(g_pieces, g_rows, lower_s, term_tiles, valid):
     """G, the chunk-local inclusive cumsum of the floored log decay, from the raw gate landed in g_pieces: per slab
-    G = L g on the tensor cores (L the [C, C] lower-triangular ones, exact in 16 bits, as register A; g as a sum of
-    exact 16-bit terms stored transposed into term_tiles [SLAB, C], so each is a K-major B operand; module docstring,
-    step 1), written over g_pieces; then g_rows, whose bytes the term tiles share, takes G's rows. Rows past the
+    G = L g on the tensor cores (L the [C, C] lower-triangular ones, exact in 16 bits, stored into lower_s; g as a sum
+    of exact 16-bit terms stored transposed into term_tiles [SLAB, C], so each is a K-major B operand; module
+    docstring, step 1), written over g_pieces; then g_rows, whose bytes lower_s and the term tiles share, takes G's
+    rows. Rows past the
     chunk's length add 0, so G stays flat on them."""
     dtype = term_tiles[0].dtype
     sq = (CHUNK, CHUNK)
-    lower = tiles.lhs(jnp.where(tiles.iota(sq, 0) >= tiles.iota(sq, 1), 1.0, 0.0).astype(dtype), detour)
     for j in _slabs(g_pieces):
         rest = jnp.where(valid, floor_log_decay(plgpu.load(g_pieces.at[j], layout=_WG)), 0.0)
+        if j == 0:  # after the first read of the gate (the interpreter orders writes to a `RefUnion` per buffer)
+            lower_s[...] = jnp.where(tiles.iota(sq, 0) >= tiles.iota(sq, 1), 1.0, 0.0).astype(dtype)
         for tile in term_tiles:
             term = rest.astype(dtype)
             tile.T[...] = term
             rest = rest - term.astype(_F32)
         plgpu.commit_smem()
-        G = tiles.matmul((CHUNK, SLAB), [(lower, tile.T) for tile in term_tiles])  # waits: the tiles are read
+        G = tiles.matmul((CHUNK, SLAB), [(lower_s, tile.T) for tile in term_tiles])  # waits: the tiles are read
         g_pieces.at[j][...] = G
     plgpu.commit_smem()
     for j in _slabs(g_pieces):
@@ -374,7 +378,7 @@ def _copy_in(src, land, bar):
         plgpu.copy_gmem_to_smem(src.at[:, _cols(j)], land.at[j], bar)
 
 
-def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, has_checkpoints, interpret):
+def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, has_checkpoints):
     """`substitute`: T_16 by the substitution in the pad tile ("blocked" off the interpreter)."""
     refs = list(refs)
     take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
@@ -383,8 +387,8 @@ def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, has_chec
     q_ref, k_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, kd_ref, qg_ref, aqk_ref, g_last_ref = take(11)
     G_ref = refs.pop(0) if has_checkpoints else None
     b_s, land_q, land_k, phases, bar, v_bar = take(6)
-    detour = refs.pop(0) if interpret else None
-    (g_pieces, g_rows, x_s, y_s), (aqk_s, land_v, kb_s, vb_s, t_buf, p_buf), (_, *term_tiles), *pad_group = phases
+    (g_pieces, g_rows, x_s, y_s), (aqk_s, land_v, kb_s, vb_s, t_buf, p_buf), cumsum_group, *pad_group = phases
+    _, lower_s, *term_tiles = cumsum_group
     pad = pad_group[0][1] if substitute else None
     c, h = lax.axis_index("c"), lax.axis_index("h")
     hk = lax.div(h, group)
@@ -398,7 +402,7 @@ def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, has_chec
 
     slab = (CHUNK, SLAB)
     valid = tiles.iota(slab, 0) < length
-    _gate_cumsum(g_pieces, g_rows, term_tiles, valid, detour)
+    _gate_cumsum(g_pieces, g_rows, lower_s, term_tiles, valid)
     # G leaves for the state pass: its last row (every chunk's decay) and, at chunks that hold checkpoints, its rows
     plgpu.copy_smem_to_gmem(g_rows.at[CHUNK - 1], g_last_ref.at[h, c])
     if has_checkpoints:
@@ -517,13 +521,11 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, g, *, chunk, group, scale, 
         out_type.append(jax.ShapeDtypeStruct((num_v_heads, num_chunks, chunk, head_k), _F32))
     scratch = [*persistent, plgpu.RefUnion(*groups),
                plgpu.Barrier(num_arrivals=3 * head_k // SLAB + 1), plgpu.Barrier(num_arrivals=head_v // SLAB)]
-    if interpret:  # the interpreter reads wgmma A operands from SMEM only (`tiles.lhs`)
-        scratch.append(tiles.swizzled((CHUNK, CHUNK), groups[0][2].dtype))
     kernel = plgpu.kernel(
         functools.partial(_kda_intra_kernel, group=group, scale=float(scale), parts=2 if fp32 else 1,
                           t_single=tuning["inverse"] != "split",
                           substitute=tuning["inverse"] == "blocked" and not interpret,
-                          has_checkpoints=has_checkpoints, interpret=bool(interpret)),
+                          has_checkpoints=has_checkpoints),
         out_type=tuple(out_type), scratch_types=scratch,
         grid=(num_chunks, num_v_heads), grid_names=("c", "h"), interpret=tiles.interpret_params(interpret),
         # exp as ex2.approx (one MUFU op and a multiply, as the Triton kernels' exp2) rather than libdevice's expf
