@@ -65,8 +65,8 @@ Per chunk c and value head h:
    G = L g on the tensor cores, L the [C, C] lower-triangular ones (exact in 16 bits) and g, with its padding rows
    0 (so G stays flat on them), a sum of exact 16-bit terms (two fp16 terms keep 22 of fp32's 24 significant
    bits, three bf16 terms all of them), each stored transposed so that it is a K-major B operand, and L from SMEM
-   (as register A, L gave wrong rows on the GPU from time to time, rows 8-15 of a 16-row group, which the
-   interpreter cannot show): fp32 accumulation, so G is a cumsum to fp32 rounding in another summation order. G goes
+   (as a register A operand, L gave wrong rows on the H100, rows 8-15 of each 16-row group, which the interpreter
+   cannot show): fp32 accumulation, so G is a cumsum to fp32 rounding in another summation order. G goes
    over the gate's landing pieces, then into an untiled copy (single rows for the reference rows) whose bytes L and
    the term tiles held, and leaves for the state pass: every chunk's last row (its decay) and, at chunks that hold
    checkpoints, all its rows.
@@ -157,7 +157,7 @@ def _landing(width, dtype):
 
 
 def _smem_groups(head_k, head_v, io_dtype, score_parts, inverse, score_dtype="input"):
-    """(persistent refs, the aliased groups: score phase, solve phase, the gate cumsum's term tiles and, for
+    """(persistent refs, the aliased groups: score phase, solve phase, the gate cumsum's L and term tiles and, for
     "blocked", the pad tile's): the SMEM scratch of one CTA."""
     fp32 = io_dtype == _F32
     op_dtype, parts = (_BF16, 2) if fp32 else (io_dtype, 1)
@@ -203,8 +203,8 @@ def supports(q, k, v, beta, g, *, num_chunks, chunk=CHUNK, interpret=False, **tu
                                 G_shape="T, HV, K")
     if reason is not None:
         return reason
-    if g.shape != (q.shape[0], v.shape[1], q.shape[2]):
-        expected = (q.shape[0], v.shape[1], q.shape[2])
+    expected = (q.shape[0], v.shape[1], q.shape[2])
+    if g.shape != expected:
         return f"g: expected the per-channel log decay [T, HV, K] = {expected}, got {g.shape}"
     io_dtype = tiles.io_dtype(k, v)
     fp32 = io_dtype == _F32
@@ -315,8 +315,7 @@ def _gate_cumsum(g_pieces, g_rows, lower_s, term_tiles, valid):
     G = L g on the tensor cores (L the [C, C] lower-triangular ones, exact in 16 bits, stored into lower_s; g as a sum
     of exact 16-bit terms stored transposed into term_tiles [SLAB, C], so each is a K-major B operand; module
     docstring, step 1), written over g_pieces; then g_rows, whose bytes lower_s and the term tiles share, takes G's
-    rows. Rows past the
-    chunk's length add 0, so G stays flat on them."""
+    rows. Rows past the chunk's length add 0, so G stays flat on them."""
     dtype = term_tiles[0].dtype
     sq = (CHUNK, CHUNK)
     for j in _slabs(g_pieces):
