@@ -284,9 +284,10 @@ def bench_peers_ssd(rec, peers, T, H, N=128, P=64):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ops", nargs="+", default=["gdn", "kda", "ssd"])
-    parser.add_argument("--impls", nargs="+", default=["xla"],
+    parser.add_argument("--impls", nargs="*", default=["xla"],
                         help="implementation specs: 'default' (the call with no implementation and no tuning), "
-                             "xla, pallas_mosaic_gpu@intra=mosaic_gpu, pallas_triton@block_v=32, ...")
+                             "xla, pallas_mosaic_gpu@intra=mosaic_gpu, pallas_triton@block_v=32, ...; none given: "
+                             "the peers alone")
     parser.add_argument("--peers", nargs="*", default=[],
                         help="fla flashqla jla jla_chunked scan (fla and flashqla in two processes: FLA hands GDN to "
                              "an importable FlashQLA)")

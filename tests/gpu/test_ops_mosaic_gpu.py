@@ -8,6 +8,7 @@ K = 16, which this kernel declines, so they are not run here.
 Run on the GPU machine: `JAXCKPT_GPU_TESTS=1 JAX_PLATFORMS=cuda python -m pytest -q tests/gpu/test_ops_mosaic_gpu.py`.
 """
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -47,6 +48,31 @@ def test_real_head_size_bf16_against_float64_and_triton(op):
               f"(pallas_triton vs float64 {rel_rms(t, e):.2e})")
         assert np.isfinite(np.asarray(a, np.float32)).all(), name
         assert err < BF16_TOL and agree < AGREE_TOL, (name, err, agree)
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_default_call_normalizes_raw_q_k(op):
+    """The default call with use_qk_l2norm=True on rows of q and k with norms over four decades (the intra kernels
+    normalize them as they load them, the state pass the checkpoint chunks' keys it gathers): the float64 answer on
+    the normalized rows, and the answer of the same call on q, k normalized before it."""
+    fn, reference = entries(op)
+    rng = np.random.default_rng(7)
+    bf, g, beta, meta = real_case(op, rng)
+    unit = [np.asarray(a, np.float32) for a in bf[:2]]
+    raw = [(a * np.exp(rng.uniform(np.log(0.01), np.log(100.0), size=(*a.shape[:2], 1)))).astype(ml_dtypes.bfloat16)
+           for a in unit]
+    got = fn(*raw, bf[2], g, beta, **meta, use_qk_l2norm=True)
+    normed = fn(*bf, g, beta, **meta)
+    raw32 = [np.asarray(a, np.float32) for a in raw]
+    expected = reference(*raw32, np.asarray(bf[2], np.float32), g, beta, **meta, use_qk_l2norm=True)
+    for name, a, n, e in zip(("o", "final", "checkpoints"), got, normed, expected):
+        err, agree = rel_rms(a, e), rel_rms(a, n)
+        print(f"{op} default, use_qk_l2norm=True on raw q, k, {name}: rel-RMS {err:.2e} vs float64, {agree:.2e} vs "
+              f"the call on normalized q, k")
+        assert np.isfinite(np.asarray(a, np.float32)).all(), name
+        # two bf16 answers on inputs one rounding apart (raw rows normalized in the kernel vs unit rows): 4.6e-3
+        # for o in fp32 XLA on a CPU; a norm left out would be off by O(1)
+        assert err < BF16_TOL and agree < 2 * AGREE_TOL, (name, err, agree)
 
 
 def bad_tokens(actual, expected, cu_seqlens, *, tol=TOKEN_TOL):

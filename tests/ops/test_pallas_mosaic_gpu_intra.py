@@ -23,6 +23,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races, reset_gpu_interpret_mode_state
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxckpt.ops.delta_rule import cumsum, reference
 from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import intra as mgi
 from tests.numerics import rel_rms
 from tests.ops.intra_cases import OUTPUTS, gate_cumsum, layout, raw_keys, triton_intra
@@ -67,28 +68,36 @@ def float64_intra(chunk_start, chunk_len, q, k, v, beta, g, *, group, scale):
 
 
 def run_both(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQLENS, num_tokens=NUM_TOKENS,
-             interpret=True, raw=None, **tuning):
+             interpret=True, raw=None, qk_norms=None, **tuning):
     """(Mosaic GPU outputs, Triton outputs, float64 outputs, chunk_len) for fresh inputs, padding tokens NaN; `raw`:
-    keys with norms in that range (`raw_keys`)."""
+    keys with norms in that range (`raw_keys`); `qk_norms`: q's and k's rows scaled to norms in that range and
+    normalized again inside the Mosaic GPU kernel (`l2norm=True`), while the Triton kernel gets them normalized
+    before its launch (`cumsum.l2norm`) and the float64 definitions in float64 (`reference.l2norm`, FLA's eps)."""
     rng = np.random.default_rng(seed)
     x = make_inputs(rng, num_tokens, num_heads, num_heads * group, head_k, head_v)
     if raw:
         raw_keys(rng, x, norms=raw)
+    if qk_norms:
+        for name in ("q", "k"):
+            x[name] *= np.exp(rng.uniform(*np.log(qk_norms), size=(*x[name].shape[:2], 1))).astype(np.float32)
     for name in ("q", "k", "v"):
         x[name][cu_seqlens[-1]:] = np.nan  # padding tokens: never read unmasked
     q, k, v = (jnp.asarray(x[name], dtype) for name in ("q", "k", "v"))
+    q_in, k_in = (cumsum.l2norm(q), cumsum.l2norm(k)) if qk_norms else (q, k)
     beta, g = jnp.asarray(x["beta"]), jnp.asarray(x["g"])
     chunk_start, chunk_len = layout(cu_seqlens, num_tokens)
     G = gate_cumsum(chunk_start, chunk_len, g, interpret=interpret)
     options = dict(group=group, scale=head_k ** -0.5)
     mosaic_interpret = plgpu.InterpretGPUParams(detect_races=True) if interpret else False
     mosaic = mgi.gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, chunk=CHUNK, interpret=mosaic_interpret,
-                           **options, **tuning)
+                           l2norm=bool(qk_norms), **options, **tuning)
     if interpret:
         assert not get_races().races_found, f"seed {seed}: SMEM race (printed above)"
-    triton = triton_intra(chunk_start, chunk_len, q, k, v, beta, G, interpret=interpret, **options)
-    exact = float64_intra(chunk_start, chunk_len, *(np.asarray(a, np.float64) for a in (q, k, v)), x["beta"],
-                          x["g"], **options)
+    triton = triton_intra(chunk_start, chunk_len, q_in, k_in, v, beta, G, interpret=interpret, **options)
+    q64, k64 = (np.asarray(a, np.float64) for a in (q, k))
+    if qk_norms:
+        q64, k64 = reference.l2norm(q64), reference.l2norm(k64)
+    exact = float64_intra(chunk_start, chunk_len, q64, k64, np.asarray(v, np.float64), x["beta"], x["g"], **options)
     return [np.asarray(o) for o in mosaic], [np.asarray(o) for o in triton], exact, np.asarray(chunk_len)
 
 
@@ -140,6 +149,16 @@ def test_raw_keys_of_any_norm(dtype, norms):
     check_outputs(seed, dtype, *run_both(seed, dtype, 1, 2, 64, 64, raw=norms), tol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype, tuning", [(jnp.bfloat16, {}), (jnp.float16, dict(inverse="f16", chunks_per_cta=2)),
+                                           (jnp.float32, {})])
+def test_l2norm_in_kernel(dtype, tuning):
+    """`l2norm=True` (use_qk_l2norm, applied as the kernel reads q and k) on rows of norms over four decades: the
+    outputs of the definitions on unit rows, and of the Triton kernel on rows normalized before its launch."""
+    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+    check_outputs(seed, dtype, *run_both(seed, dtype, 1, 2, 64, 64, qk_norms=(0.01, 100.0), **tuning),
+                  tol=TOL[dtype])
+
+
 def test_supports_reasons():
     q = jnp.zeros((8, 2, 64), jnp.bfloat16)
     v = jnp.zeros((8, 4, 64), jnp.bfloat16)
@@ -182,6 +201,7 @@ def test_supports_reasons():
     # the substitution (Mosaic GPU code the interpreter cannot run) lowers only here; its pad tile is aliased
     (jnp.bfloat16, 128, 128, dict(inverse="blocked"), True),
     (jnp.float16, 64, 64, dict(inverse="blocked", landing="rows"), True),
+    (jnp.bfloat16, 128, 128, dict(l2norm=True), True),  # the default with use_qk_l2norm: rsqrt lowers
 ])
 def test_lowers_for_sm90(monkeypatch, dtype, head_k, head_v, tuning, two_per_sm):
     """The whole Pallas -> Mosaic GPU lowering for an H100/H200 runs on CPU: it checks what the interpreter does

@@ -25,6 +25,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races, reset_gpu_interpret_mode_state
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxckpt.ops.delta_rule import cumsum, reference
 from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import kda_intra as mki
 from tests.numerics import rel_rms
 from tests.ops.intra_cases import OUTPUTS, mosaic_kda_intra, prepared, raw_keys, triton_kda_intra
@@ -69,27 +70,37 @@ def float64_intra(chunk_start, chunk_len, q, k, v, beta, g, *, group, scale):
 
 
 def run_all(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQLENS, num_tokens=NUM_TOKENS,
-            strong=False, raw=None, interpret=True, **tuning):
-    """(Mosaic GPU outputs, Triton outputs, float64 outputs, chunk_len, G) for fresh inputs, padding tokens NaN."""
+            strong=False, raw=None, qk_norms=None, interpret=True, **tuning):
+    """(Mosaic GPU outputs, Triton outputs, float64 outputs, chunk_len, G) for fresh inputs, padding tokens NaN;
+    `qk_norms`: q's and k's rows scaled to norms in that range and normalized again inside the Mosaic GPU kernel
+    (`l2norm=True`), while the Triton kernel gets them normalized before its launch and the float64 definitions in
+    float64 (`reference.l2norm`)."""
     rng = np.random.default_rng(seed)
     x = make_inputs(rng, num_tokens, num_heads, num_heads * group, head_k, head_v, strong=strong)
     if raw:
         raw_keys(rng, x, norms=raw)  # keys with norms in that range
+    if qk_norms:
+        for name in ("q", "k"):
+            x[name] *= np.exp(rng.uniform(*np.log(qk_norms), size=(*x[name].shape[:2], 1))).astype(np.float32)
     for name in ("q", "k", "v"):
         x[name][cu_seqlens[-1]:] = np.nan  # padding tokens: never read unmasked
     p = prepared(x, cu_seqlens, dtype, interpret=interpret)  # G from the gate cumsum launch, for the Triton kernel
     g = np.where(np.arange(num_tokens)[:, None, None] < cu_seqlens[-1], x["g"], np.nan)  # the raw gate, NaN padding
     inputs = (p.q, p.k, p.v, p.beta)
+    normed = (cumsum.l2norm(p.q), cumsum.l2norm(p.k), p.v, p.beta) if qk_norms else inputs
     # chunks with 0, 1 or 2 checkpoints: the kernel writes G's rows at those with some
     checkpoint_count = jnp.asarray(rng.integers(0, 3, size=p.lay.chunk_len.shape[0]), jnp.int32)
     mosaic_interpret = plgpu.InterpretGPUParams(detect_races=True) if interpret else False
     mosaic = mosaic_kda_intra(p, *inputs, jnp.asarray(g, jnp.float32), checkpoint_count=checkpoint_count,
-                              interpret=mosaic_interpret, **tuning)
+                              interpret=mosaic_interpret, l2norm=bool(qk_norms), **tuning)
     if interpret:
         assert not get_races().races_found, f"seed {seed}: SMEM race (printed above)"
     check_gate_cumsum(seed, *mosaic[5:], np.asarray(p.G), np.asarray(checkpoint_count))
-    triton = triton_kda_intra(p, *inputs, p.G, interpret=interpret)
-    exact = float64_intra(p.lay.chunk_start, p.lay.chunk_len, *(np.asarray(a, np.float64) for a in (p.q, p.k, p.v)),
+    triton = triton_kda_intra(p, *normed, p.G, interpret=interpret)
+    q64, k64 = (np.asarray(a, np.float64) for a in (p.q, p.k))
+    if qk_norms:
+        q64, k64 = reference.l2norm(q64), reference.l2norm(k64)
+    exact = float64_intra(p.lay.chunk_start, p.lay.chunk_len, q64, k64, np.asarray(p.v, np.float64),
                           x["beta"].astype(np.float64), x["g"].astype(np.float64), group=group, scale=p.scale)
     return ([np.asarray(o) for o in mosaic[:5]], [np.asarray(o) for o in triton], exact, np.asarray(p.lay.chunk_len),
             np.asarray(p.G))
@@ -152,6 +163,15 @@ def test_raw_keys_of_any_norm(dtype, norms):
     beta = beta' / |k|^2 with beta' up to 2; the similarity keeps the fp16 inverse's operands in range."""
     seed = int(np.random.SeedSequence().entropy % 2 ** 32)
     outputs = run_all(seed, dtype, 1, 2, 64, 64, raw=norms)
+    check_outputs(seed, dtype, *outputs[:4], tol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype, tuning", [(jnp.bfloat16, {}), (jnp.float16, dict(inverse="f16")), (jnp.float32, {})])
+def test_l2norm_in_kernel(dtype, tuning):
+    """`l2norm=True` (use_qk_l2norm, applied as q and k land) on rows of norms over four decades: the outputs of the
+    definitions on unit rows, and of the Triton kernel on rows normalized before its launch."""
+    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+    outputs = run_all(seed, dtype, 1, 2, 64, 64, qk_norms=(0.01, 100.0), **tuning)
     check_outputs(seed, dtype, *outputs[:4], tol=TOL[dtype])
 
 
@@ -223,6 +243,7 @@ def test_supports_reasons(monkeypatch):
     (jnp.float32, 128, 128, {}, False),  # 210 KB of SMEM, the largest configuration
     (jnp.bfloat16, 128, 128, dict(inverse="blocked"), True),  # the substitution lowers only here
     (jnp.float16, 64, 64, dict(inverse="blocked"), True),
+    (jnp.bfloat16, 128, 128, dict(l2norm=True), True),  # the default with use_qk_l2norm, SMEM unchanged
 ])
 def test_lowers_for_sm90(monkeypatch, dtype, head_k, head_v, tuning, two_per_sm):
     """The whole Pallas -> Mosaic GPU lowering for an H100/H200 runs on CPU: it checks what the interpreter does

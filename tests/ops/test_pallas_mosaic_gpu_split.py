@@ -130,7 +130,9 @@ def emulate_state_lanes(lane_first, lane_count, chunk_start, chunk_len, decays, 
                             channel=per_channel_decay, group=group, map_mode=map_mode, o_dtype=w.dtype,
                             num_tokens=num_tokens)
 
-    ck_args = () if checkpoints is None else tuple(checkpoints)
+    if checkpoints is not None and checkpoints.l2norm:  # the kernel's wrapper normalizes the keys it gathers
+        checkpoints = checkpoints._replace(k=cumsum.l2norm(checkpoints.k), l2norm=False)
+    ck_args = () if checkpoints is None else tuple(checkpoints)[:-1]  # the arrays; l2norm is False from here
     return jax.pure_callback(host, out, lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd, qg, aqk,
                              lane_init, *ck_args)
 

@@ -46,16 +46,20 @@ class Prepared(NamedTuple):
     io_dtype: object     # dtype of the stored intermediates: fp32 or the 16-bit input dtype
     G_lo: object = None  # G's lo part (`gate_cumsum(..., split=True)`), as G; None: G is whole
     g: object = None     # fp32 [T', HV, K]: the raw gate, for a KDA intra kernel that forms G itself (G None)
+    qk_l2norm: bool = False  # q and k are raw and the kernels apply `use_qk_l2norm` (`prepare(l2norm_in_kernel=True)`)
 
 
 def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seqlens, checkpoint_cu,
             checkpoint_offsets, chunk_size, interpret, intra_num_warps=4, num_stages=2, split_gates=False,
-            launch_cumsum=True) -> Prepared:
+            launch_cumsum=True, l2norm_in_kernel=False) -> Prepared:
     """Metadata, input casts, the optional L2 norms and the gate cumsum launch: what the later passes of both kernel
     pipelines start from. `split_gates`: for fp32 I/O, G as hi + lo (`gate_cumsum(split=True)`), as the Pallas
     Triton pipeline's kernels take it (16-bit inputs keep one G: its cancellation is far below their error class,
     and the second G tile costs KDA time; bench/README.md, "Pallas Triton"). `launch_cumsum=False` (KDA on Mosaic
-    GPU, whose intra kernel forms G from the raw gate): no launch, G None and the fp32 gate in `g`."""
+    GPU, whose intra kernel forms G from the raw gate): no launch, G None and the fp32 gate in `g`.
+    `l2norm_in_kernel=True` (the Mosaic GPU intra kernels, which normalize the rows they load): with
+    `use_qk_l2norm`, q and k stay raw and `qk_l2norm` says the kernels normalize them; an XLA pass here would read
+    and write both once more (about a fifth of GDN's default call at (8, 4096, 32) on Hopper)."""
     num_tokens, _, head_k = q.shape
     chunk = chunk_size
     if scale is None:
@@ -63,7 +67,8 @@ def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seq
     io_dtype = intermediate_dtype(k, v)
     cu_seqlens, checkpoint_cu, checkpoint_offsets = packed_metadata(cu_seqlens, checkpoint_cu, checkpoint_offsets,
                                                                     num_tokens)
-    if use_qk_l2norm:
+    qk_l2norm = bool(use_qk_l2norm) and l2norm_in_kernel
+    if use_qk_l2norm and not qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     q, k = q.astype(io_dtype), k.astype(io_dtype)
     if num_tokens == 0:
@@ -73,12 +78,13 @@ def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seq
                        xp=jnp)
     if not launch_cumsum:
         return Prepared(q, k, v, beta, None, lay, cu_seqlens, checkpoint_cu, float(scale), io_dtype,
-                        g=g.astype(_F32))
+                        g=g.astype(_F32), qk_l2norm=qk_l2norm)
     split = split_gates and io_dtype == _F32
     G = gate_cumsum(lay.chunk_start, lay.chunk_len, g, per_channel_decay=per_channel_decay, chunk=chunk, split=split,
                     interpret=interpret, num_warps=intra_num_warps, num_stages=num_stages)
     G, G_lo = G if split else (G, None)
-    return Prepared(q, k, v, beta, G, lay, cu_seqlens, checkpoint_cu, float(scale), io_dtype, G_lo)
+    return Prepared(q, k, v, beta, G, lay, cu_seqlens, checkpoint_cu, float(scale), io_dtype, G_lo,
+                    qk_l2norm=qk_l2norm)
 
 
 def intermediate_dtype(k, v):
@@ -89,7 +95,12 @@ def intermediate_dtype(k, v):
 
 def l2norm(x):
     x32 = x.astype(_F32)
-    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
+    return (x32 * l2_scale(jnp.sum(x32 * x32, axis=-1, keepdims=True))).astype(x.dtype)
+
+
+def l2_scale(r2):
+    """1 / |x| from the squared norms r2 (fp32), as `use_qk_l2norm` scales each row: FLA's rsqrt(r2 + eps)."""
+    return jax.lax.rsqrt(r2 + L2NORM_EPS)
 
 
 def gate_cumsum(chunk_start, chunk_len, g, *, per_channel_decay, chunk, split=False, interpret=False, num_warps=4,

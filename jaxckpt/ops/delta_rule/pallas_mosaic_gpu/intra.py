@@ -131,6 +131,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxckpt.ops.common import device
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
+from jaxckpt.ops.delta_rule import cumsum
 
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
 TUNING_KEYS = ("inverse", "chunks_per_cta", "landing")
@@ -256,6 +257,12 @@ def _strict_A(S, b_row, decay):
     return jnp.where(tiles.iota(sq, 0) > tiles.iota(sq, 1), tiles.by_row(b_row, sq) * S * decay, 0.0)
 
 
+def _landed(tile, length, l2norm):
+    """`tiles.landed_tokens`, each row scaled to unit norm with `l2norm` (`use_qk_l2norm` applied in the kernel)."""
+    x = tiles.landed_tokens(tile, length)
+    return x * tiles.by_row(cumsum.l2_scale(jnp.sum(x * x, axis=1)), x.shape) if l2norm else x
+
+
 def _issue_chunk(q_ref, k_ref, v_ref, G_ref, beta_ref, landing, vectors, bar, *, start, c, h, hk):
     """The loads of chunk c (tokens from `start`) of value head h, key head hk: q, k, v into their landing tiles, G
     into its row and column SMEM copies (a vector's row and column views need separate copies: layouts are inferred
@@ -270,9 +277,10 @@ def _issue_chunk(q_ref, k_ref, v_ref, G_ref, beta_ref, landing, vectors, bar, *,
 
 
 def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref, aqk_ref,
-                  aliased, k_s, kb_s, vb_s, g_row_s, g_col_s, b_row_s, bar, *, group, scale, parts, substitute):
+                  aliased, k_s, kb_s, vb_s, g_row_s, g_col_s, b_row_s, bar, *, group, scale, parts, substitute,
+                  l2norm):
     """One chunk per CTA (`chunks_per_cta=1`). `substitute`: T_16 by `tiles.block_diagonal_inverse` in the aliased
-    pad tile ("blocked" off the interpreter)."""
+    pad tile ("blocked" off the interpreter); `l2norm`: q's and k's rows normalized as they are read."""
     (land_q, land_k, land_v), (q_s, score_stages), pad, (inv_bufs, wy_stages) = aliased  # pad: [] or [tile]
     c, h = lax.axis_index("c"), lax.axis_index("h")
     hk = lax.div(h, group)
@@ -286,13 +294,13 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_re
     G_row, b_row = plgpu.load(g_row_s, layout=_ROWS), plgpu.load(b_row_s, layout=_ROWS)
     gamma = jnp.exp(G_row)
 
-    k = tiles.landed_tokens(land_k, length)
+    k = _landed(land_k, length, l2norm)
     d, d_inv = tiles.key_scales(jnp.sum(k * k, axis=1))
     tiles.store_parts(k_s, k, parts)
     tiles.store_parts(kb_s, k * tiles.by_row(b_row * gamma * d, k.shape), parts)  # D (beta exp(G) K)
     v = tiles.landed_tokens(land_v, length)
     tiles.store_parts(vb_s, v * tiles.by_row(b_row * d, v.shape), parts)  # D (beta V)
-    q = tiles.landed_tokens(land_q, length)
+    q = _landed(land_q, length, l2norm)
     plgpu.commit_smem()  # also a warpgroup barrier: the landing tiles are dead from here on
     _stage_out(score_stages, k * tiles.by_row(jnp.exp(G_last - G_row), k.shape), kd_ref.at[h, c])
     tiles.store_parts(q_s, q, parts)
@@ -321,7 +329,7 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_re
 
 def _pipelined_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_ref, u_ref, kd_ref, qg_ref,
                       aqk_ref, land_q, land_k, land_v, vb_s, aliased, g_row_s, g_col_s, b_row_s, bar, *, group, scale,
-                      per_cta, t_from_aqk_stage):
+                      per_cta, t_from_aqk_stage, l2norm):
     """`per_cta` consecutive chunks of one value head per CTA (`chunks_per_cta` > 1, 16-bit I/O): the next chunk's
     loads are issued once this chunk's landing tiles are consumed, and run under its scores, inverse and W, U."""
     (k_s, q_s), (kb_s, t_buf, p_buf, aqk_s) = aliased
@@ -352,12 +360,12 @@ def _pipelined_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, 
             G_col = plgpu.load(g_col_s, layout=_COLS)
             gamma = jnp.exp(G_row)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's W, U have left kb_s (under k_s), vb_s
-            k = tiles.landed_tokens(land_k, length)
+            k = _landed(land_k, length, l2norm)
             k_s.at[0][...] = k.astype(io_dtype)
             kb = (k * tiles.by_row(b_row * gamma, k.shape)).astype(io_dtype)  # held until k_s is dead (kb_s aliases it)
             v = tiles.landed_tokens(land_v, length)
             vb_s.at[0][...] = (v * tiles.by_row(b_row, v.shape)).astype(io_dtype)
-            q = tiles.landed_tokens(land_q, length)
+            q = _landed(land_q, length, l2norm)
             q_s.at[0][...] = q.astype(io_dtype)
             tiles.store_in_place(land_k, k * tiles.by_row(jnp.exp(G_last - G_row), k.shape), kd_ref.at[h, c])  # KD
             tiles.store_in_place(land_q, scale * q * tiles.by_row(gamma, q.shape), qg_ref.at[h, c])  # QG
@@ -401,7 +409,8 @@ def default_tuning(io_dtype, *, chunks_per_cta=1):
     return dict(inverse=inverse, chunks_per_cta=1, landing="swizzled")
 
 
-def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, interpret=False, **tuning):
+def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, l2norm=False, interpret=False,
+              **tuning):
     """W, U, KD, QG and AQK of every chunk (what `_intra_kernel_v2` writes), on Mosaic GPU; ValueError naming the
     reason when `supports` declines the call.
 
@@ -410,8 +419,10 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
     v                       # [T, HV, V]
     beta                    # [T, HV]
     G                       # fp32 [HV, NC, C]: chunk-local inclusive cumsum of the log decay (`_cumsum_kernel`)
-    `group` = HV // H, `scale` a Python number. `interpret`: True (or an `InterpretGPUParams`) runs Mosaic GPU's
-    interpreter on CPU. `tuning` (`TUNING_KEYS`, module docstring): inverse ("split", "f16" or "blocked"),
+    `group` = HV // H, `scale` a Python number. `l2norm`: q's and k's rows are normalized in the kernel as they are
+    read (`use_qk_l2norm`, as `cumsum.l2norm` would before the launch, without its pass over q and k).
+    `interpret`: True (or an `InterpretGPUParams`) runs Mosaic GPU's interpreter on CPU. `tuning` (`TUNING_KEYS`,
+    module docstring): inverse ("split", "f16" or "blocked"),
     chunks_per_cta (a positive int) and landing ("rows" or "swizzled"); each left out takes `default_tuning`'s value.
 
     Returns (w [HV, NC, C, K], u [HV, NC, C, V], kd [HV, NC, C, K], qg [HV, NC, C, K], aqk [HV, NC, C, C]), all in
@@ -458,7 +469,7 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
         # the interpreter cannot run the substitution (Mosaic GPU code): it doubles from s = 2, the same T up to
         # rounding, and checks the rest of the kernel
         body = functools.partial(_intra_kernel, group=group, scale=float(scale), parts=parts,
-                                 substitute=blocked and not interpret)
+                                 substitute=blocked and not interpret, l2norm=bool(l2norm))
         scratch = [aliased, operand(head_k), operand(head_k), operand(head_v)]
     else:
         # the landing tiles and vb_s live through a whole chunk; k_s and q_s until the scores, then kb_s (written
@@ -466,7 +477,7 @@ def gdn_intra(chunk_start, chunk_len, q, k, v, beta, G, *, chunk, group, scale, 
         aliased = plgpu.RefUnion([operand(head_k), operand(head_k)],
                                  [operand(head_k), inv_buf(), inv_buf(), tiles.swizzled((1, chunk, chunk), io_dtype)])
         body = functools.partial(_pipelined_kernel, group=group, scale=float(scale), per_cta=per_cta,
-                                 t_from_aqk_stage=inv_parts == 1)
+                                 t_from_aqk_stage=inv_parts == 1, l2norm=bool(l2norm))
         scratch = [*landing, operand(head_v), aliased]
     kernel = plgpu.kernel(
         body,

@@ -124,6 +124,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 from jaxckpt.ops.common.log_decay import floor_log_decay
+from jaxckpt.ops.delta_rule import cumsum
 from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import intra as mosaic_intra
 
 CHUNK = 64  # wgmma's M: one chunk is one accumulator tile
@@ -377,8 +378,9 @@ def _copy_in(src, land, bar):
         plgpu.copy_gmem_to_smem(src.at[:, _cols(j)], land.at[j], bar)
 
 
-def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, has_checkpoints):
-    """`substitute`: T_16 by the substitution in the pad tile ("blocked" off the interpreter)."""
+def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, has_checkpoints, l2norm):
+    """`substitute`: T_16 by the substitution in the pad tile ("blocked" off the interpreter); `l2norm`: q's and
+    k's rows normalized in place before anything reads them."""
     refs = list(refs)
     take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
     start_ref, len_ref = take(2)
@@ -408,11 +410,18 @@ def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, has_chec
         @pl.when(ck_ref[c] > 0)
         def _():
             plgpu.copy_smem_to_gmem(g_rows, G_ref.at[h, c])
-    # rows past the chunk's length zeroed in place, once (every later read sees them); the diagonal of the query
-    # scores (exp(0) = 1) on the way
+    # rows past the chunk's length zeroed in place, once (every later read sees them), and with `l2norm` scaled to
+    # unit norm (the squared norms summed over the slabs first); the diagonal of the query scores (exp(0) = 1) on
+    # the way
+    landed = lambda land, j: jnp.where(valid, plgpu.load(land.at[j], layout=_WG).astype(_F32), 0.0)  # noqa: E731
+    if l2norm:
+        inv_norms = [cumsum.l2_scale(sum(jnp.sum(jnp.square(landed(land, j)), axis=1) for j in _slabs(land)))
+                     for land in (land_q, land_k)]
     diag = None
     for j in _slabs(land_k):
-        q, k = (jnp.where(valid, plgpu.load(land.at[j], layout=_WG).astype(_F32), 0.0) for land in (land_q, land_k))
+        q, k = landed(land_q, j), landed(land_k, j)
+        if l2norm:
+            q, k = (x * tiles.by_row(r, slab) for x, r in zip((q, k), inv_norms))
         land_q.at[j][...], land_k.at[j][...] = q.astype(land_q.dtype), k.astype(land_k.dtype)
         diag = jnp.sum(q * k, axis=1) if diag is None else diag + jnp.sum(q * k, axis=1)
     plgpu.commit_smem()
@@ -476,7 +485,7 @@ def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, has_chec
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def kda_intra(chunk_start, chunk_len, q, k, v, beta, g, *, chunk, group, scale, checkpoint_count=None,
+def kda_intra(chunk_start, chunk_len, q, k, v, beta, g, *, chunk, group, scale, checkpoint_count=None, l2norm=False,
               interpret=False, **tuning):
     """W, U, KD, QG and AQK of every chunk (what `intra_v2(..., per_channel_decay=True)` returns), on Mosaic GPU, with
     G formed inside the kernel from the raw gate; ValueError naming the reason when `supports` declines the call.
@@ -487,11 +496,12 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, g, *, chunk, group, scale, 
     beta                    # [T, HV]
     g                       # [T, HV, K] per-channel log decay (floored at `LOG_DECAY_FLOOR` here, as `prepare` does)
     checkpoint_count        # i32[NC]: checkpoints per chunk (`checkpoint_ranges`), or None (no checkpoints)
-    `group` = HV // H, `scale` a Python number. `interpret`: True (or an `InterpretGPUParams`) runs Mosaic GPU's
-    interpreter on CPU. Tuning (`TUNING_KEYS`, module docstring; each left out takes `default_tuning`'s value):
-    `score_parts` (1 or 2: the score operands rounded once or split; 2 for fp32 inputs), `score_dtype` ("float16",
-    the default for 16-bit inputs, or "input": the 16-bit type of the score operands; "input" for fp32), `inverse`
-    ("f16", "split" or "blocked"; "split" for fp32 inputs).
+    `group` = HV // H, `scale` a Python number. `l2norm`: q's and k's rows normalized in the kernel as they land
+    (`use_qk_l2norm`, as `cumsum.l2norm` would before the launch, without its pass over q and k). `interpret`: True
+    (or an `InterpretGPUParams`) runs Mosaic GPU's interpreter on CPU. Tuning (`TUNING_KEYS`, module docstring;
+    each left out takes `default_tuning`'s value): `score_parts` (1 or 2: the score operands rounded once or split;
+    2 for fp32 inputs), `score_dtype` ("float16", the default for 16-bit inputs, or "input": the 16-bit type of the
+    score operands; "input" for fp32), `inverse` ("f16", "split" or "blocked"; "split" for fp32 inputs).
 
     Returns (w [HV, NC, C, K], u [HV, NC, C, V], kd [HV, NC, C, K], qg [HV, NC, C, K], aqk [HV, NC, C, C]), all in
     the I/O dtype (promote(k, v); fp32 if that is 32 bits or wider), padding rows zero; then G's last rows G_last
@@ -524,7 +534,7 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, g, *, chunk, group, scale, 
         functools.partial(_kda_intra_kernel, group=group, scale=float(scale), parts=2 if fp32 else 1,
                           t_single=tuning["inverse"] != "split",
                           substitute=tuning["inverse"] == "blocked" and not interpret,
-                          has_checkpoints=has_checkpoints),
+                          has_checkpoints=has_checkpoints, l2norm=bool(l2norm)),
         out_type=tuple(out_type), scratch_types=scratch,
         grid=(num_chunks, num_v_heads), grid_names=("c", "h"), interpret=tiles.interpret_params(interpret),
         # exp as ex2.approx (one MUFU op and a multiply, as the Triton kernels' exp2) rather than libdevice's expf

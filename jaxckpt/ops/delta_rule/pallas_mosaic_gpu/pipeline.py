@@ -5,10 +5,11 @@ Written against jax 0.11.2 (`jax.experimental.pallas.mosaic_gpu` as plgpu: `plgp
 semantics); the Mosaic GPU API changes between jax releases, so check this module when jax moves.
 
 `delta_rule_mosaic` has `delta_rule.pallas_triton.delta_rule`'s contract and results. It runs the shared first stage
-(`delta_rule.cumsum.prepare`: layout, norms, GDN's gate cumsum), an intra pass writing chunk-major w, u, kd, qg, aqk
-[HV, NC, C, *] in the 16-bit input dtype (the Mosaic GPU kernels of `intra` / `kda_intra`), then a state pass chosen
-by `state` (defaults: `default_tuning`): "v2", the lanes kernel of `state` (the default), or "fused" (GDN:
-`gdn_fused`, which replaces the intra pass). Both fuse the output:
+(`delta_rule.cumsum.prepare`: layout, GDN's gate cumsum), an intra pass writing chunk-major w, u, kd, qg, aqk
+[HV, NC, C, *] in the 16-bit input dtype (the Mosaic GPU kernels of `intra` / `kda_intra`, which with `use_qk_l2norm`
+normalize q's and k's rows as they load them: an XLA pass before them read and wrote q and k once more), then a state
+pass chosen by `state` (defaults: `default_tuning`): "v2", the lanes kernel of `state` (the default), or "fused" (GDN:
+`gdn_fused`, which replaces the intra pass and takes q, k normalized by `prepare`). Both fuse the output:
 
     per row n, value head h, V block j (BV = 64 columns), S = S[:, cols] fp32 [K, BV], for the row's chunks c:
     v_new = U_c - W_c S;   O_c = QG_c S + AQK_c v_new;   S <- exp(G_last) S + KD_c^T v_new
@@ -236,7 +237,7 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
                        use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, checkpoint_cu=checkpoint_cu,
                        checkpoint_offsets=checkpoint_offsets, chunk_size=chunk_size, interpret=triton_interpret,
                        intra_num_warps=intra_num_warps, num_stages=num_stages,
-                       launch_cumsum=not per_channel_decay)
+                       launch_cumsum=not per_channel_decay, l2norm_in_kernel=state != "fused")
     init = None
     if initial_state is not None:
         init = initial_state.astype(_F32)
@@ -256,8 +257,8 @@ def delta_rule_mosaic(q, k, v, g, beta, *, per_channel_decay, scale=None, use_qk
     else:
         given = {"kda_score_parts": kda_score_parts, "intra_inverse": intra_inverse}
         mosaic_tuning = {_MOSAIC_INTRA_TUNING[key]: value for key, value in given.items() if value is not None}
-        options = dict(chunk=chunk_size, group=p.v.shape[1] // p.q.shape[1], scale=p.scale, interpret=interpret,
-                       **mosaic_tuning)
+        options = dict(chunk=chunk_size, group=p.v.shape[1] // p.q.shape[1], scale=p.scale, l2norm=p.qk_l2norm,
+                       interpret=interpret, **mosaic_tuning)
         intra_inputs = (lay.chunk_start, lay.chunk_len, p.q, p.k, p.v, p.beta)
         if per_channel_decay:
             # the KDA intra kernel forms G from the raw gate and returns what the state pass reads of it: every

@@ -162,7 +162,7 @@ def state_pass_split(p, w, u, kd, qg, aqk, init, decays, *, per_channel_decay, p
     if lay.checkpoint_pos.shape[0]:
         ck_start, ck_count = checkpoint_ranges(lay, num_chunks)
         checkpoints = lanes_kernel.Checkpoints(ck_start, ck_count, lay.checkpoint_pos, p.k, lay.chunk_start,
-                                               lay.chunk_len, p.G)
+                                               lay.chunk_len, p.G, p.qk_l2norm)
 
     def run_lanes(lane_first, lane_count, lane_init, *, map_mode):
         if map_mode:

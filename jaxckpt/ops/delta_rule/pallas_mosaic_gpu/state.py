@@ -93,6 +93,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges
+from jaxckpt.ops.delta_rule import cumsum
 
 CHUNK = 64
 BLOCK_V = 64
@@ -113,6 +114,7 @@ class Checkpoints(NamedTuple):
     chunk_start: object      # i32[NC] packed index of each chunk's first token
     chunk_len: object        # i32[NC]
     G: object                # fp32 [HV, NC, C] (GDN) or [HV, NC, C, K] (KDA): chunk-local cumulative log decay
+    l2norm: bool = False     # k is raw: the gathered keys are L2-normalized (`Prepared.qk_l2norm`)
 
 
 def _stages(head_k, dtype, *, map_mode, has_checkpoints, publish_slots, stages=None):
@@ -317,7 +319,8 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
 
 def _checkpoint_keys(checkpoints, num_ckpt, chunk):
     """[max(M, 1), C, H, K]: at each checkpoint chunk's first CSR entry ck_start[c] the chunk's key rows, rows past
-    its tokens zero (module docstring: a TMA load must start at a whole (8, 64) tile); other entries unread."""
+    its tokens zero (module docstring: a TMA load must start at a whole (8, 64) tile), normalized with
+    `checkpoints.l2norm`; other entries unread."""
     num_chunks = checkpoints.ck_start.shape[0]
     slots = max(num_ckpt, 1)
     target = jnp.where(checkpoints.ck_count > 0, checkpoints.ck_start, slots)
@@ -327,6 +330,7 @@ def _checkpoint_keys(checkpoints, num_ckpt, chunk):
     inside = pos < checkpoints.chunk_len[owner][:, None]
     k = checkpoints.k
     keys = k[jnp.clip(rows, 0, k.shape[0] - 1)]
+    keys = cumsum.l2norm(keys) if checkpoints.l2norm else keys
     return jnp.where(inside[:, :, None, None], keys, jnp.zeros((), keys.dtype))  # a select: NaN padding stays out
 
 
@@ -468,7 +472,8 @@ def state_pass_v2(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=Fa
     checkpoints = None
     if lay.checkpoint_pos.shape[0]:
         ck_start, ck_count = checkpoint_ranges(lay, num_chunks)
-        checkpoints = Checkpoints(ck_start, ck_count, lay.checkpoint_pos, p.k, lay.chunk_start, lay.chunk_len, p.G)
+        checkpoints = Checkpoints(ck_start, ck_count, lay.checkpoint_pos, p.k, lay.chunk_start, lay.chunk_len, p.G,
+                                  p.qk_l2norm)
     decays = p.G[:, :, chunk - 1, :] if per_channel_decay else p.G  # KDA: G_last [HV, NC, K]; GDN: G rows
     return state_lanes(lay.row_first_chunk, lay.row_num_chunks, lay.chunk_start, lay.chunk_len, decays, w, u, kd, qg,
                        aqk, init, checkpoints, per_channel_decay=per_channel_decay, group=w.shape[0] // p.q.shape[1],
