@@ -1,5 +1,6 @@
-"""bench/ops_bench.py in its tiny CPU mode: the default call of GDN and SSD and the scan peer, each row with the
-compile time of its first call beside its run time, in the JSON and the table."""
+"""bench/ops_bench.py in its tiny CPU mode: the default call of GDN and SSD (SSD also as Mamba2's layer calls it)
+and the scan peer, each row with the compile time of its first call beside its run time, in the JSON and the
+table."""
 
 import json
 
@@ -22,7 +23,8 @@ def test_every_jax_row_carries_its_compile_time(written):
     payload, _ = written
     rows = payload["results"]
     assert sorted((r["op"], r["implementation"]) for r in rows) == [
-        ("gdn", "default"), ("gdn", "lax_scan_fp32"), ("ssd", "default"), ("ssd", "default")]
+        ("gdn", "default"), ("gdn", "lax_scan_fp32"), ("ssd", "default"), ("ssd", "default"), ("ssd", "default")]
+    assert sum(r["shape"].get("layer") == "D, z, dt_bias" for r in rows) == 1  # SSD as Mamba2's layer calls it
     for r in rows:
         assert not str(r.get("note", "")).startswith("FAIL"), r
         assert r["compile_ms"] == pytest.approx(r["first_call_ms"] - r["median_ms"])
