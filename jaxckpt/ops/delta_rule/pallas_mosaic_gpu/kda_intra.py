@@ -415,7 +415,8 @@ def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, has_chec
     # the way
     landed = lambda land, j: jnp.where(valid, plgpu.load(land.at[j], layout=_WG).astype(_F32), 0.0)  # noqa: E731
     if l2norm:
-        inv_norms = [cumsum.l2_scale(sum(jnp.sum(jnp.square(landed(land, j)), axis=1) for j in _slabs(land)))
+        # the slabs' squares summed elementwise first: one cross-lane row reduction per tensor, not one per slab
+        inv_norms = [cumsum.l2_scale(jnp.sum(sum(jnp.square(landed(land, j)) for j in _slabs(land)), axis=1))
                      for land in (land_q, land_k)]
     diag = None
     for j in _slabs(land_k):
