@@ -466,3 +466,26 @@ def test_fused_split_lowers_for_sm90():
     module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
     assert "gdn_kkt_mosaic_gpu" in module and "gdn_fused_lanes_map" in module
     assert "gdn_fused_lanes" in module.replace("gdn_fused_lanes_map", "")
+
+
+def test_raw_q_k_never_reach_a_pass_that_reads_them_as_normalized():
+    # `prepare(l2norm_in_kernel=True)` leaves q, k raw for the Mosaic GPU intra kernels; the passes that read p.q,
+    # p.k as the op's (the fused GDN pass, the Triton intra launches) refuse such a `Prepared`
+    from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import gdn_fused
+
+    rng = np.random.default_rng(3)
+    T, D = 70, 64
+    q, k, v = (jnp.asarray(rng.normal(size=(T, 1, D)), jnp.bfloat16) for _ in range(3))
+    g, beta = jnp.asarray(-rng.uniform(0, 0.1, size=(T, 1)), jnp.float32), jnp.full((T, 1), 0.5, jnp.float32)
+    options = dict(per_channel_decay=False, scale=None, use_qk_l2norm=True, cu_seqlens=None, checkpoint_cu=None,
+                   checkpoint_offsets=None, chunk_size=CHUNK, interpret=True)
+    p = cumsum.prepare(q, k, v, g, beta, **options, l2norm_in_kernel=True)
+    assert p.qk_l2norm and np.array_equal(np.asarray(p.k, np.float32), np.asarray(k, np.float32))
+    for call in (lambda: triton_delta.intra_v2(p, per_channel_decay=False, chunk_size=CHUNK, interpret=True),
+                 lambda: gdn_fused.gdn_fused_pass(p, None, interpret=True),
+                 lambda: split.fused_pass_split(p, None, pieces=1, interpret=True)):
+        with pytest.raises(ValueError, match="l2norm_in_kernel=False"):
+            call()
+    normalized = cumsum.prepare(q, k, v, g, beta, **options)
+    assert not normalized.qk_l2norm
+    np.testing.assert_array_equal(np.asarray(normalized.k), np.asarray(cumsum.l2norm(k)))

@@ -33,7 +33,8 @@ _F32 = jnp.float32
 class Prepared(NamedTuple):
     """What every state pass of the kernel pipelines (`pallas_triton`, `pallas_mosaic_gpu`) starts from."""
 
-    q: object            # [T', H, K] io dtype, L2-normalized if asked; T' = max(T, 1) (a zero row for T = 0)
+    q: object            # [T', H, K] io dtype, L2-normalized if asked (unless `qk_l2norm`: the kernels do it);
+    #                      T' = max(T, 1) (a zero row for T = 0)
     k: object            # [T', H, K] io dtype
     v: object            # [T', HV, V]
     beta: object         # [T', HV]
@@ -85,6 +86,13 @@ def prepare(q, k, v, g, beta, *, per_channel_decay, scale, use_qk_l2norm, cu_seq
     G, G_lo = G if split else (G, None)
     return Prepared(q, k, v, beta, G, lay, cu_seqlens, checkpoint_cu, float(scale), io_dtype, G_lo,
                     qk_l2norm=qk_l2norm)
+
+
+def check_qk_normalized(p: Prepared, *, reader: str):
+    """ValueError for a pass that reads `p.q`, `p.k` as the op's q, k when `prepare` left their norms to the
+    kernels (`l2norm_in_kernel`): that pass would take raw rows for normalized ones."""
+    if p.qk_l2norm:
+        raise ValueError(f"{reader} reads q and k as given: prepare them with l2norm_in_kernel=False")
 
 
 def intermediate_dtype(k, v):

@@ -552,6 +552,7 @@ def _chunk_block(chunk, width):
 def intra_v2(p: cumsum.Prepared, *, per_channel_decay, chunk_size, interpret, intra_num_warps=4, num_stages=2,
              kda_block_k=None):
     """The intra launch(es) of `delta_rule`: (w, u, kd, qg, aqk), chunk-major [HV, NC, C, K | V | C] in the io dtype."""
+    cumsum.check_qk_normalized(p, reader="pallas_triton.intra_v2")
     head_k = p.q.shape[-1]
     num_v_heads, head_v = p.v.shape[1:]
     group = num_v_heads // p.q.shape[1]

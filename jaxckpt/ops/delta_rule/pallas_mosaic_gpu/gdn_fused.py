@@ -97,6 +97,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxckpt.ops.common import device
 from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
 from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges
+from jaxckpt.ops.delta_rule import cumsum
 from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import intra as mosaic_intra
 
 CHUNK = 64
@@ -548,6 +549,7 @@ def gdn_fused_pass(p, init, *, interpret=False, kkt_inverse="f16"):
     [max(M, 1), HV, K, V], padded entries unspecified); ValueError naming the reason when `supports` declines the
     call.
     """
+    cumsum.check_qk_normalized(p, reader="gdn_fused_pass")
     reason = supports(p.q, p.k, p.v, p.beta, interpret=bool(interpret))
     if reason is not None:
         raise ValueError(reason)

@@ -59,17 +59,18 @@ Per chunk c and value head h:
 1. TMA loads: q and k rows [start, start + 64) (key head h // group) and the raw gate's (value head h) in 32-column
    boxes into swizzled landing pieces (no tiling: chunk starts follow cu_seqlens, and a tiled TMA destination needs
    tile-aligned starts), and the chunk-major beta row (made in XLA, padding rows 0: a [T, HV] column is strided,
-   which TMA cannot read). Rows past the chunk's length are zeroed in place (`where`, so NaN padding stays out).
-   G, the chunk-local inclusive cumsum of the gate floored at `LOG_DECAY_FLOOR`, is formed here rather than by a
-   launch of its own (which for KDA moved the fp32 [T, HV, K] gate and G once more through memory): per slab,
-   G = L g on the tensor cores, L the [C, C] lower-triangular ones (exact in 16 bits) and g, with its padding rows
-   0 (so G stays flat on them), a sum of exact 16-bit terms (two fp16 terms keep 22 of fp32's 24 significant
-   bits, three bf16 terms all of them), each stored transposed so that it is a K-major B operand, and L from SMEM
-   (as a register A operand, L gave wrong rows on the H100, rows 8-15 of each 16-row group, which the interpreter
-   cannot show): fp32 accumulation, so G is a cumsum to fp32 rounding in another summation order. G goes
-   over the gate's landing pieces, then into an untiled copy (single rows for the reference rows) whose bytes L and
-   the term tiles held, and leaves for the state pass: every chunk's last row (its decay) and, at chunks that hold
-   checkpoints, all its rows.
+   which TMA cannot read). Rows past the chunk's length are zeroed in place (`where`, so NaN padding stays out), and
+   with `l2norm` every row of q and k is scaled to unit norm in place (the op's `use_qk_l2norm`, which an XLA pass
+   before the launch would pay for with one more read and write of q and k). G, the chunk-local inclusive cumsum of
+   the gate floored at `LOG_DECAY_FLOOR`, is formed here rather than by a launch of its own (which for KDA moved the
+   fp32 [T, HV, K] gate and G once more through memory): per slab, G = L g on the tensor cores, L the [C, C]
+   lower-triangular ones (exact in 16 bits) and g, with its padding rows 0 (so G stays flat on them), a sum of exact
+   16-bit terms (two fp16 terms keep 22 of fp32's 24 significant bits, three bf16 terms all of them), each stored
+   transposed so that it is a K-major B operand, and L from SMEM (as a register A operand, L gave wrong rows on the
+   H100, rows 8-15 of each 16-row group, which the interpreter cannot show): fp32 accumulation, so G is a cumsum to
+   fp32 rounding in another summation order. G goes over the gate's landing pieces, then into an untiled copy (single
+   rows for the reference rows) whose bytes L and the term tiles held, and leaves for the state pass: every chunk's
+   last row (its decay) and, at chunks that hold checkpoints, all its rows.
 2. Scores, exact for any decay. Every strictly-lower pair (i, j) of the 64-row chunk lies in exactly one
    (lower half, upper half) quadrant of a 2s-row block, s = 32, 16, 8, 4, 2, 1 (32·32 + 2·16·16 + ... + 32·1·1 =
    2016 = 64·63/2 pairs). In the 2s-row block starting at b, r = b + s satisfies j < r <= i for all of that

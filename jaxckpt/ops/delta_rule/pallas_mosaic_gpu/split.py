@@ -61,6 +61,7 @@ from jax import lax
 
 from jaxckpt.ops.common import device
 from jaxckpt.ops.common.checkpoint_chunks import checkpoint_ranges, split_lanes
+from jaxckpt.ops.delta_rule import cumsum
 from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import gdn_fused
 from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import state as lanes_kernel
 
@@ -184,6 +185,7 @@ def fused_pass_split(p, init, *, pieces, interpret=False, state_terms=2):
     Returns (o [T', HV, V] in token order, padding tokens zero, final fp32 [N, HV, K, V], checkpoints fp32
     [max(M, 1), HV, K, V], padded entries unspecified).
     """
+    cumsum.check_qk_normalized(p, reader="fused_pass_split")
     lay = p.lay
     group = p.v.shape[1] // p.q.shape[1]
     t0, q_c, k_c, v_c, beta_c = gdn_fused.gdn_kkt(lay.chunk_start, lay.chunk_len, p.q, p.k, p.v, p.beta, group=group,
