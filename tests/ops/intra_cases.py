@@ -60,6 +60,13 @@ def raw_keys(rng, x, *, norms=(1e-3, 1e3), parallel=0.9):
     return x
 
 
+def raw_rows(rng, x, *, norms):
+    """x's q and k rows scaled, in place, to norms log-uniform over `norms` (inputs for `use_qk_l2norm`)."""
+    for name in ("q", "k"):
+        x[name] *= np.exp(rng.uniform(*np.log(norms), size=(*x[name].shape[:2], 1))).astype(np.float32)
+    return x
+
+
 def layout(cu_seqlens, num_tokens, chunk=CHUNK):
     """chunk_start, chunk_len (i32[NC]) of packed rows, as `delta_rule` builds them (no checkpoints)."""
     import jax.numpy as jnp

@@ -26,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxckpt.ops.delta_rule import cumsum, reference
 from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import intra as mgi
 from tests.numerics import rel_rms
-from tests.ops.intra_cases import OUTPUTS, gate_cumsum, layout, raw_keys, triton_intra
+from tests.ops.intra_cases import OUTPUTS, gate_cumsum, layout, raw_keys, raw_rows, triton_intra
 from tests.ops.intra_cases import make_gdn_inputs as make_inputs
 
 pytestmark = pytest.mark.interpret
@@ -78,8 +78,7 @@ def run_both(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQ
     if raw:
         raw_keys(rng, x, norms=raw)
     if qk_norms:
-        for name in ("q", "k"):
-            x[name] *= np.exp(rng.uniform(*np.log(qk_norms), size=(*x[name].shape[:2], 1))).astype(np.float32)
+        raw_rows(rng, x, norms=qk_norms)
     for name in ("q", "k", "v"):
         x[name][cu_seqlens[-1]:] = np.nan  # padding tokens: never read unmasked
     q, k, v = (jnp.asarray(x[name], dtype) for name in ("q", "k", "v"))

@@ -28,7 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxckpt.ops.delta_rule import cumsum, reference
 from jaxckpt.ops.delta_rule.pallas_mosaic_gpu import kda_intra as mki
 from tests.numerics import rel_rms
-from tests.ops.intra_cases import OUTPUTS, mosaic_kda_intra, prepared, raw_keys, triton_kda_intra
+from tests.ops.intra_cases import OUTPUTS, mosaic_kda_intra, prepared, raw_keys, raw_rows, triton_kda_intra
 from tests.ops.intra_cases import make_kda_inputs as make_inputs
 
 pytestmark = pytest.mark.interpret
@@ -80,8 +80,7 @@ def run_all(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQL
     if raw:
         raw_keys(rng, x, norms=raw)  # keys with norms in that range
     if qk_norms:
-        for name in ("q", "k"):
-            x[name] *= np.exp(rng.uniform(*np.log(qk_norms), size=(*x[name].shape[:2], 1))).astype(np.float32)
+        raw_rows(rng, x, norms=qk_norms)
     for name in ("q", "k", "v"):
         x[name][cu_seqlens[-1]:] = np.nan  # padding tokens: never read unmasked
     p = prepared(x, cu_seqlens, dtype, interpret=interpret)  # G from the gate cumsum launch, for the Triton kernel
