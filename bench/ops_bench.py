@@ -230,28 +230,21 @@ def bench_ours_ssd(rec, impl, T, H, modes, N=128, P=64):
     cu = jnp.asarray([0, T], jnp.int32)
     shape = {"T": T, "H": H, "P": P, "N": N, "G": 1}
     impl, config = implementation_spec(spec := impl, "ssd")
-    for mode in modes:
-        ccu, offsets = checkpoint_lists([T], mode)
-        f = jax.jit(lambda x, dt, A, B, C, h0, cu, ccu, off: ops.ssd(
-            x, dt, A, B, C, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
-            implementation=impl, config=config))
-        args = (bf(x), bf(dt), jnp.asarray(A), bf(B), bf(C), jnp.asarray(h0), cu, jnp.asarray(ccu),
-                jnp.asarray(offsets))
-        row = dict(op="ssd", implementation=spec, shape=shape, checkpoints=mode)
-        attempt(rec, lambda: rec.add(**row, num_checkpoints=int(offsets.size), dtype="bf16", **timed(f, *args)), **row)
-    # as Mamba2's layer calls it (issue #21's SSD goal): the skip D, the gate z and dt_bias given
+    # the core alone, then as Mamba2's layer calls it (issue #21's SSD goal): the skip D, the gate z and dt_bias given
     rng = np.random.default_rng(1)
-    D, dt_bias = rng.standard_normal(H).astype(np.float32), rng.standard_normal(H).astype(np.float32) * 0.1
-    z = rng.standard_normal(x.shape).astype(np.float32)
-    for mode in modes:
-        ccu, offsets = checkpoint_lists([T], mode)
-        f = jax.jit(lambda x, dt, A, B, C, D, z, dt_bias, h0, cu, ccu, off: ops.ssd(
-            x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu,
-            checkpoint_offsets=off, implementation=impl, config=config))
-        args = (bf(x), bf(dt), jnp.asarray(A), bf(B), bf(C), jnp.asarray(D), bf(z), jnp.asarray(dt_bias),
-                jnp.asarray(h0), cu, jnp.asarray(ccu), jnp.asarray(offsets))
-        row = dict(op="ssd", implementation=spec, shape=shape | {"layer": "D, z, dt_bias"}, checkpoints=mode)
-        attempt(rec, lambda: rec.add(**row, num_checkpoints=int(offsets.size), dtype="bf16", **timed(f, *args)), **row)
+    layer = dict(D=jnp.asarray(rng.standard_normal(H), jnp.float32), z=bf(rng.standard_normal(x.shape)),
+                 dt_bias=jnp.asarray(rng.standard_normal(H) * 0.1, jnp.float32))
+    for extra, label in (({}, {}), (layer, {"layer": "D, z, dt_bias"})):
+        for mode in modes:
+            ccu, offsets = checkpoint_lists([T], mode)
+            f = jax.jit(lambda x, dt, A, B, C, h0, cu, ccu, off, extra: ops.ssd(
+                x, dt, A, B, C, **extra, initial_state=h0, cu_seqlens=cu, checkpoint_cu=ccu, checkpoint_offsets=off,
+                implementation=impl, config=config))
+            args = (bf(x), bf(dt), jnp.asarray(A), bf(B), bf(C), jnp.asarray(h0), cu, jnp.asarray(ccu),
+                    jnp.asarray(offsets), extra)
+            row = dict(op="ssd", implementation=spec, shape=shape | label, checkpoints=mode)
+            attempt(rec, lambda: rec.add(**row, num_checkpoints=int(offsets.size), dtype="bf16", **timed(f, *args)),
+                    **row)
     # the same row as a batch [1, T, ...] (cu_seqlens None), as the peers take it: rows known to lie on the chunk
     # grid let a kernel skip its varlen gathers
     f = jax.jit(lambda x, dt, A, B, C, h0: ops.ssd(x[None], dt[None], A, B[None], C[None], initial_state=h0,
