@@ -263,3 +263,22 @@ def test_lowers_for_sm90(monkeypatch, dtype, head_k, head_v, tuning, two_per_sm)
             arg((num_chunks,), jnp.int32))
     fn = jax.jit(lambda *a: mki.kda_intra(*a[:7], checkpoint_count=a[7], chunk=CHUNK, group=2, scale=0.1, **tuning))
     assert "kda_intra_mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
+
+
+@pytest.mark.parametrize("log_s", range(4))
+def test_reference_rows_shuffle_plan(log_s):
+    """The shuffle plan of `tiles.reference_rows` (the kernel's levels s <= 8 off the interpreter, which cannot run
+    warp shuffles) on a numpy model of one warp's WGMMA-layout registers, as PTX lays out a wgmma accumulator: lane l,
+    register half h, column group m, element e hold row 8h + (l >> 2), column 8m + 2(l & 3) + e. Every lane sends
+    its register the plan names (its bottom one for the top half when the plan says so), reads from the plan's source
+    lane, and must end with row (i & -2s) + s of a fresh random tile in every register."""
+    from jaxckpt.ops.common import pallas_mosaic_gpu_tiles as tiles
+
+    x = np.random.default_rng().standard_normal((16, 32))
+    lane, half, group, elem = np.meshgrid(np.arange(32), np.arange(2), np.arange(4), np.arange(2), indexing="ij")
+    rows, cols = 8 * half + (lane >> 2), 8 * group + 2 * (lane & 3) + elem
+    src, top_reads_bottom = tiles.reference_source(np.arange(32), log_s, np)
+    sent_half = np.where(half == 1, 1, (top_reads_bottom[src[lane]] != 0).astype(int))
+    got = x[8 * sent_half + (src[lane] >> 2), cols]
+    s = 1 << log_s
+    np.testing.assert_array_equal(got, x[(rows & -2 * s) + s, cols])

@@ -3,23 +3,28 @@
 `delta_rule.pallas_mosaic_gpu.state`, `delta_rule.pallas_mosaic_gpu.gdn_fused`, and SSD's
 `jaxckpt.ops.ssd.pallas_mosaic_gpu`): SMEM tile layouts, WGMMA-layout index helpers, hi + lo operand splits, the wgmma
 product sums, the TMA ring's producer loop and the stores of an output into the packed token layout (`token_staging`,
-`store_rows`, `store_zeros`), and the fp32 inverses of a tile's 16 x 16 diagonal blocks by forward substitution
-(`block_diagonal_inverse`, for the intra passes' "blocked" inverse). Written against jax 0.11.2."""
+`store_rows`, `store_zeros`), the fp32 inverses of a tile's 16 x 16 diagonal blocks by forward substitution
+(`block_diagonal_inverse`, for the intra passes' "blocked" inverse) and rows read across a warp by shuffles
+(`reference_rows`, for the KDA score levels). Written against jax 0.11.2."""
 
 from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
 
 # Pallas defines one config flag lazily, the first time it lowers a kernel (the fuser's, imported by einshape); the
 # new flag changes jit's tracing context, so a process's first jitted call would compile twice. Importing it here
 # defines it before anything is traced.
 import jax.experimental.pallas.fuser  # noqa: F401
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, memref
+from jaxlib.mlir.dialects import arith, memref, nvvm, vector
 from jaxlib.mlir.dialects import math as mlir_math
 
 from jaxckpt.ops.common.contract import kernel_dtype_reason
@@ -342,6 +347,72 @@ def _substitute(ctx, neg_A, pad):
     # the caller's next SMEM writes may land on these bytes (a RefUnion): every thread has its T first
     mgpu_utils.warpgroup_barrier()
     return T
+
+
+def reference_source(lane, log_s, xp):
+    """Where a thread finds its rows' reference rows r(i) = (i & -2s) + s (s = 2^log_s <= 8, i its row in its warp's
+    16) in the WGMMA layout, where lane l holds rows l >> 2 (top register half) and (l >> 2) + 8 (bottom half) at
+    columns 2 (l & 3) + 8 m + {0, 1}: the source lane (same columns), and nonzero where the top row's r lies in the
+    bottom half (s = 8; the bottom row's always does). Written once for the kernel (`xp`: MLIR i32 values) and the
+    tests (numpy)."""
+    block = xp.add(log_s, 1)
+    r = xp.add(xp.left_shift(xp.right_shift(xp.right_shift(lane, 2), block), block), xp.left_shift(1, log_s))
+    src = xp.add(xp.left_shift(xp.bitwise_and(r, 7), 2), xp.bitwise_and(lane, 3))
+    return src, xp.right_shift(r, 3)
+
+
+def _i32(x):
+    return x if isinstance(x, ir.Value) else mgpu_utils.c(x, ir.IntegerType.get_signless(32))
+
+
+_ARITH = SimpleNamespace(add=lambda a, b: arith.addi(_i32(a), _i32(b)),
+                         bitwise_and=lambda a, b: arith.andi(_i32(a), _i32(b)),
+                         left_shift=lambda a, b: arith.shli(_i32(a), _i32(b)),
+                         right_shift=lambda a, b: arith.shrui(_i32(a), _i32(b)))
+
+
+def _shuffle_idx(reg, src):
+    """reg (a vector of 32-bit values) as held by lane src, one `shfl.sync.idx` per element."""
+    i32 = ir.IntegerType.get_signless(32)
+    out = reg
+    for e in range(ir.VectorType(reg.type).shape[0]):
+        at = ir.DenseI64ArrayAttr.get([e])
+        word = mgpu_utils.bitcast(vector.extract(reg, dynamic_position=[], static_position=at), i32)
+        word = nvvm.shfl_sync(_i32(-1), word, src, _i32(0x1F), nvvm.ShflKind.idx)
+        out = vector.insert(mgpu_utils.bitcast(word, ir.VectorType(reg.type).element_type), out,
+                            dynamic_position=[], static_position=at)
+    return out
+
+
+@functools.cache
+def _reference_rows_fn(shape):
+    @plgpu.inline_mgpu(arg_types=(WG, WG), return_type=plgpu.ShapeDtypeStruct(shape, F32, layout=WG))
+    def shuffle(ctx, x, log_s):
+        del ctx
+        first = log_s.registers.flat[0]
+        log_s = vector.extract(first, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+        lane = arith.remui(mgpu_utils.thread_idx(), _i32(mgpu_utils.WARP_SIZE))
+        src, top_reads_bottom = reference_source(lane, log_s, _ARITH)
+        top_reads_bottom = arith.cmpi(arith.CmpIPredicate.ne, top_reads_bottom, _i32(0))
+        regs = x.registers
+        out = np.empty_like(regs)
+        for idx in np.ndindex(regs.shape):
+            if idx[4]:  # the register half (WGMMA layout: registers [1, N / 8, 1, 1, 2, 1, 1, 1, 1])
+                out[idx] = _shuffle_idx(regs[idx], src)
+            else:
+                bottom = regs[idx[:4] + (1,) + idx[5:]]
+                out[idx] = _shuffle_idx(arith.select(top_reads_bottom, bottom, regs[idx]), src)
+        return mgpu.FragmentedArray(_registers=out, _layout=x.layout, _is_signed=None)
+
+    return shuffle
+
+
+def reference_rows(x, log_s):
+    """R with row i = x's row (i & -2s) + s, s = 2^log_s <= 8 (traced int32), of an fp32 [C, N] WGMMA-layout tile:
+    such a row lies in row i's warp, so two warp shuffles per register pair fetch it (`reference_source`), the KDA
+    score levels' reference rows (`delta_rule.pallas_mosaic_gpu.kda_intra`, step 2) without select chains. Mosaic GPU
+    code (`inline_mgpu`), which Mosaic GPU's interpreter cannot run (jax 0.11.2)."""
+    return _reference_rows_fn(x.shape)(x, plgpu.layout_cast(jnp.full(x.shape, log_s, jnp.int32), WG))
 
 
 def block_diagonal_inverse(A, pad):

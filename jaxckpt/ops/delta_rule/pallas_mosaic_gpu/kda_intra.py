@@ -19,12 +19,16 @@ another, with nothing else on the SM to fill the gaps. This version:
   wgmmas run while slab n + 1's exps are computed (its operands are built in registers, then the kernel waits for the
   previous wgmmas before overwriting the one-slab operand tiles). Peak live state is the two running score sums, the
   level's two accumulators and one slab's temporaries, about 200 registers.
-- Compact score code: one loop over the levels s = 32 .. 1 (s = 2^(5 - n), shifts rather than divisions), the
-  slabs unrolled inside it, the reference-row selects a loop over the level's blocks (`_reference`). Reading the
-  finest levels' reference rows as row-shifted views of G instead measured slower on the H200 at 8K and 32K tokens
-  (bench/README.md, "Variants measured and not taken"): the views' 8-way bank-conflicted loads cost more than the
-  ALU work they replace. No wgmma is in flight across a loop edge (each level reads its accumulators before the
-  next starts), which jla found necessary with jax 0.11.2.
+- Compact score code: two loops over the levels s = 32, 16 and s = 8 .. 1 (s = 2^(5 - n), shifts rather than
+  divisions), the slabs unrolled inside them. The coarse levels read their reference rows from the untiled G and
+  select them per block (`_reference`: one select per element at s = 16). At s <= 8 a row's reference row lies in
+  its own warp's 16 rows of the WGMMA layout, so two warp shuffles per register pair move it there from the G slab
+  already in registers (`tiles.reference_rows`) in place of the select chains, 56 selects per element over those
+  four levels (the interpreter, which cannot run warp shuffles, keeps the selects). Reading the finest levels'
+  reference rows as row-shifted views of G instead measured slower on the H200 at 8K and 32K tokens (bench/README.md,
+  "Variants measured and not taken"): the views' 8-way bank-conflicted loads cost more than the ALU work they
+  replace. No wgmma is in flight across a loop edge (each level reads its accumulators before the next starts),
+  which jla found necessary with jax 0.11.2.
 - Lane lowering semantics: every register layout is the one written here (WGMMA, or its row or column reduction),
   so nothing is relaid out behind the code's back; lowering this kernel takes 3 s on a CPU (56 s with the
   warpgroup semantics' layout inference, before the level loop).
@@ -53,11 +57,9 @@ another, with nothing else on the SM to fill the gaps. This version:
   union, after a spacer over the solve tiles live through the inverse): no extra SMEM.
 Not done: register-A wgmmas for Y (saves one slab store per product; the interpreter takes only SMEM operands), a
 persistent CTA that prefetches the next chunk (for GDN, several chunks per CTA measured slower than two CTAs per SM),
-and the reference rows of the levels s <= 8 by warp shuffles (`plgpu.inline_mgpu`; in the WGMMA layout the row a
-thread's row refers to lies in the same warp) in place of `_reference`'s select chains: 57 selects per element over
-the six levels, against 6 exps, are most of the score phase's ALU work. jla 0.1.0 builds its KDA score operands with
-about one select per element (two levels, exponents bounded by a per-chunk check of the gate, an exact fallback):
-on an H100 at (1, 8192, 16) its cumsum, score and solve kernels take 0.28 ms where this kernel takes 0.40.
+and fewer exps per element (six levels, six exps): jla 0.1.0 builds its KDA score operands from two levels, its
+exponents bounded by a per-chunk check of the gate with an exact fallback; on an H100 at (1, 8192, 16) its cumsum,
+score and solve kernels take 0.28 ms where this kernel took 0.40 with select chains at every level.
 
 Per chunk c and value head h:
 
@@ -139,6 +141,7 @@ TUNING_KEYS = ("score_parts", "score_dtype", "inverse")
 SCORE_DTYPES = ("input", "float16")
 INVERSES = ("f16", "split", "blocked")
 LEVELS = (32, 16, 8, 4, 2, 1)  # half-block sizes s of the score split (module docstring, step 2)
+FINE_LEVELS = 2  # LEVELS[FINE_LEVELS:] (s <= 8) have their reference rows in each row's warp: warp shuffles
 SMEM_LIMIT = tiles.SMEM_BYTES  # sm_90's opt-in dynamic SMEM per CTA
 SMEM_ALIGN = 1024  # what `plgpu.RefUnion` aligns every ref to (jax 0.11.2, `core.SMEM_ALIGNMENT`)
 _F32 = jnp.float32
@@ -258,7 +261,7 @@ def _quadrants(log_s):
 def _reference(log_s, j, g_rows):
     """Slab j of R_s, fp32 [C, SLAB]: row i holds G's row r_s(i) (module docstring, step 2), exactly: the level's
     32 / s reference rows, read as [SLAB] vectors, broadcast and selected in a loop over its blocks (16 selects per
-    block and thread; 31 blocks at s = 1 and 15 at s = 2 take about 80% of them)."""
+    block and thread). The kernel's levels s = 32, 16, and every level under the interpreter."""
     rows = tiles.iota((CHUNK, SLAB), 0)
     s = lax.shift_left(1, log_s)
 
@@ -268,11 +271,11 @@ def _reference(log_s, j, g_rows):
     return lax.fori_loop(1, lax.shift_right_logical(32, log_s), select, _row(g_rows, s, j))
 
 
-def _level_operands(log_s, j, land_q, land_k, g_pieces, g_rows, dtype, parts):
+def _level_operands(log_s, j, land_q, land_k, g_pieces, g_rows, dtype, parts, shuffle):
     """Slab j of level s = 2^log_s's score operands (module docstring, step 2): the terms of X = K ⊙ E_s and
-    Y = Q ⊙ E_s."""
+    Y = Q ⊙ E_s; `shuffle`: R_s by warp shuffles of G (levels s <= 8)."""
     G = plgpu.load(g_pieces.at[j], layout=_WG)
-    R = _reference(log_s, j, g_rows)
+    R = tiles.reference_rows(G, log_s) if shuffle else _reference(log_s, j, g_rows)
     lower = lax.shift_right_logical(tiles.iota(G.shape, 0), log_s) & 1 == 1
     E = jnp.exp(jnp.where(lower, G - R, R - G))  # every exponent <= 0
     x = plgpu.load(land_k.at[j], layout=_WG).astype(_F32) * E
@@ -280,17 +283,18 @@ def _level_operands(log_s, j, land_q, land_k, g_pieces, g_rows, dtype, parts):
     return tiles.split(x, dtype, parts), tiles.split(y, dtype, parts)
 
 
-def _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s):
-    """(key, query) scores of every strictly-lower pair, fp32 [C, C]: a loop over the levels (one copy of the code,
-    for the instruction cache), each level slab by slab into two accumulators, a slab's operands built in registers
-    while the previous slab's wgmmas run."""
+def _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s, *, shuffle):
+    """(key, query) scores of every strictly-lower pair, fp32 [C, C]: loops over the levels (one copy of the code per
+    loop, for the instruction cache), each level slab by slab into two accumulators, a slab's operands built in
+    registers while the previous slab's wgmmas run. `shuffle`: the levels s <= 8, whose reference rows lie in each
+    row's warp, read them by warp shuffles (`tiles.reference_rows`) in a second loop."""
     parts = x_s.shape[0]
     sq = (CHUNK, CHUNK)
 
-    def level(log_s, sums):
+    def level(log_s, sums, by_shuffle):
         def body(acc_kk, acc_qk):
             for j in _slabs(land_k):
-                x, y = _level_operands(log_s, j, land_q, land_k, g_pieces, g_rows, x_s.dtype, parts)
+                x, y = _level_operands(log_s, j, land_q, land_k, g_pieces, g_rows, x_s.dtype, parts, by_shuffle)
                 if j:
                     plgpu.wgmma_wait(0)  # the previous slab's wgmmas have read x_s and y_s
                 for p in range(parts):
@@ -309,7 +313,11 @@ def _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s):
         return sums[0] + jnp.where(keep, kk, 0.0), sums[1] + jnp.where(keep, qk, 0.0)
 
     zero = plgpu.layout_cast(jnp.zeros(sq, _F32), _WG)
-    return lax.fori_loop(0, len(LEVELS), lambda n, sums: level(len(LEVELS) - 1 - n, sums), (zero, zero))
+    top = len(LEVELS) - 1  # log2 of the coarsest level
+    if not shuffle:
+        return lax.fori_loop(0, len(LEVELS), lambda n, sums: level(top - n, sums, False), (zero, zero))
+    sums = lax.fori_loop(0, FINE_LEVELS, lambda n, sums: level(top - n, sums, False), (zero, zero))
+    return lax.fori_loop(FINE_LEVELS, len(LEVELS), lambda n, sums: level(top - n, sums, True), sums)
 
 
 def _num_terms(dtype):
@@ -384,9 +392,10 @@ def _copy_in(src, land, bar):
         plgpu.copy_gmem_to_smem(src.at[:, _cols(j)], land.at[j], bar)
 
 
-def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, has_checkpoints, l2norm):
-    """`substitute`: T_16 by the substitution in the pad tile ("blocked" off the interpreter); `l2norm`: q's and
-    k's rows normalized in place before anything reads them."""
+def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, shuffle, has_checkpoints, l2norm):
+    """`substitute`: T_16 by the substitution in the pad tile ("blocked" off the interpreter); `shuffle`: the fine
+    levels' reference rows by warp shuffles (off the interpreter); `l2norm`: q's and k's rows normalized in place
+    before anything reads them."""
     refs = list(refs)
     take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
     start_ref, len_ref = take(2)
@@ -434,7 +443,7 @@ def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, has_chec
     plgpu.commit_smem()
 
     sq = (CHUNK, CHUNK)
-    kk, qk = _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s)
+    kk, qk = _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s, shuffle=shuffle)
 
     # the last reads of q, k and G: KD and QG in place in the landing pieces, beta exp(G) K in registers until the
     # score phase's SMEM (which the solve phase's tiles alias) is dead
@@ -540,7 +549,7 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, g, *, chunk, group, scale, 
     kernel = plgpu.kernel(
         functools.partial(_kda_intra_kernel, group=group, scale=float(scale), parts=2 if fp32 else 1,
                           t_single=tuning["inverse"] != "split",
-                          substitute=tuning["inverse"] == "blocked" and not interpret,
+                          substitute=tuning["inverse"] == "blocked" and not interpret, shuffle=not interpret,
                           has_checkpoints=has_checkpoints, l2norm=bool(l2norm)),
         out_type=tuple(out_type), scratch_types=scratch,
         grid=(num_chunks, num_v_heads), grid_names=("c", "h"), interpret=tiles.interpret_params(interpret),
