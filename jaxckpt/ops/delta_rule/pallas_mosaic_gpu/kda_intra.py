@@ -24,11 +24,11 @@ another, with nothing else on the SM to fill the gaps. This version:
   select them per block (`_reference`: one select per element at s = 16). At s <= 8 a row's reference row lies in
   its own warp's 16 rows of the WGMMA layout, so two warp shuffles per register pair move it there from the G slab
   already in registers (`tiles.reference_rows`) in place of the select chains, 56 selects per element over those
-  four levels (the interpreter, which cannot run warp shuffles, keeps the selects). Reading the finest levels'
-  reference rows as row-shifted views of G instead measured slower on the H200 at 8K and 32K tokens (bench/README.md,
-  "Variants measured and not taken"): the views' 8-way bank-conflicted loads cost more than the ALU work they
-  replace. No wgmma is in flight across a loop edge (each level reads its accumulators before the next starts),
-  which jla found necessary with jax 0.11.2.
+  four levels (the interpreter, which cannot run warp shuffles, keeps the selects, and so does `l2norm`, where the
+  shuffles measured slower). Reading the finest levels' reference rows as row-shifted views of G instead measured
+  slower on the H200 at 8K and 32K tokens (bench/README.md, "Variants measured and not taken"): the views' 8-way
+  bank-conflicted loads cost more than the ALU work they replace. No wgmma is in flight across a loop edge (each
+  level reads its accumulators before the next starts), which jla found necessary with jax 0.11.2.
 - Lane lowering semantics: every register layout is the one written here (WGMMA, or its row or column reduction),
   so nothing is relaid out behind the code's back; lowering this kernel takes 3 s on a CPU (56 s with the
   warpgroup semantics' layout inference, before the level loop).
@@ -549,7 +549,10 @@ def kda_intra(chunk_start, chunk_len, q, k, v, beta, g, *, chunk, group, scale, 
     kernel = plgpu.kernel(
         functools.partial(_kda_intra_kernel, group=group, scale=float(scale), parts=2 if fp32 else 1,
                           t_single=tuning["inverse"] != "split",
-                          substitute=tuning["inverse"] == "blocked" and not interpret, shuffle=not interpret,
+                          substitute=tuning["inverse"] == "blocked" and not interpret,
+                          # with l2norm the shuffles measured slower than the selects (bench/README.md, "KDA's
+                          # reference rows by warp shuffles")
+                          shuffle=not interpret and not l2norm,
                           has_checkpoints=has_checkpoints, l2norm=bool(l2norm)),
         out_type=tuple(out_type), scratch_types=scratch,
         grid=(num_chunks, num_v_heads), grid_names=("c", "h"), interpret=tiles.interpret_params(interpret),
