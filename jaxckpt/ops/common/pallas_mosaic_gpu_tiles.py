@@ -412,6 +412,7 @@ def reference_rows(x, log_s):
     such a row lies in row i's warp, so two warp shuffles per register pair fetch it (`reference_source`), the KDA
     score levels' reference rows (`delta_rule.pallas_mosaic_gpu.kda_intra`, step 2) without select chains. Mosaic GPU
     code (`inline_mgpu`), which Mosaic GPU's interpreter cannot run (jax 0.11.2)."""
+    # inline_mgpu takes arrays with a layout, not scalars: the level rides in as a constant tile (one register read)
     return _reference_rows_fn(x.shape)(x, plgpu.layout_cast(jnp.full(x.shape, log_s, jnp.int32), WG))
 
 
