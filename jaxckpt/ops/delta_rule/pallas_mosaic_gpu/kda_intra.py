@@ -314,10 +314,11 @@ def _scores(land_q, land_k, g_pieces, g_rows, x_s, y_s, *, shuffle):
 
     zero = plgpu.layout_cast(jnp.zeros(sq, _F32), _WG)
     top = len(LEVELS) - 1  # log2 of the coarsest level
-    if not shuffle:
-        return lax.fori_loop(0, len(LEVELS), lambda n, sums: level(top - n, sums, False), (zero, zero))
-    sums = lax.fori_loop(0, FINE_LEVELS, lambda n, sums: level(top - n, sums, False), (zero, zero))
-    return lax.fori_loop(FINE_LEVELS, len(LEVELS), lambda n, sums: level(top - n, sums, True), sums)
+    by_selects = FINE_LEVELS if shuffle else len(LEVELS)
+    sums = lax.fori_loop(0, by_selects, lambda n, sums: level(top - n, sums, False), (zero, zero))
+    if shuffle:  # traced only here: the interpreter cannot run the shuffles, even in a loop of no trips
+        sums = lax.fori_loop(by_selects, len(LEVELS), lambda n, sums: level(top - n, sums, True), sums)
+    return sums
 
 
 def _num_terms(dtype):
