@@ -174,23 +174,35 @@ def store_rows(rows_s, dst, start, length):
         bit //= 2
 
 
-def padding_lane(lane_first, lane_count, chunk_start, chunk_len, num_tokens, lane_init=None):
+def padding_lane(lane_first, lane_count, chunk_start, chunk_len, num_tokens):
     """The lanes of a kernel whose output leaves in the packed token layout, plus one extra, empty lane whose CTAs
-    write zeros over the tokens past the last lane's last chunk (a packed call's padding) with `store_zeros`.
+    write zeros over the tokens past the last lane's last chunk (a packed call's padding) with `store_zeros`. The
+    extra lane has no start state nor end state of its own: the kernels read the last real lane's start state for it
+    (`lane_state`) and skip its end-state store (`real_lanes`), so no state array is padded or sliced around the
+    call.
 
     lane_first, lane_count  # i32[L]
     chunk_start, chunk_len  # i32[NC]
-    lane_init               # [L, ...] start states or None
-    Returns (lane_first, lane_count i32[L + 1], lane_init [L + 1, ...] or None, pad i32[2] = (first padding token,
-    number of padding tokens)); the extra lane is the last grid lane."""
+    Returns (lane_first, lane_count i32[L + 1], pad i32[2] = (first padding token, number of padding tokens)); the
+    extra lane is the last grid lane."""
     lane_first, lane_count = lane_first.astype(jnp.int32), lane_count.astype(jnp.int32)
     last = jnp.maximum(lane_first + lane_count - 1, 0)
     ends = jnp.where(lane_count > 0, chunk_start[last] + chunk_len[last], 0)
     pad_start = jnp.max(ends, initial=0).astype(jnp.int32)
     lane_first, lane_count = (jnp.concatenate([x, jnp.zeros(1, jnp.int32)]) for x in (lane_first, lane_count))
-    if lane_init is not None:
-        lane_init = jnp.concatenate([lane_init, jnp.zeros_like(lane_init[:1])])
-    return lane_first, lane_count, lane_init, jnp.stack([pad_start, num_tokens - pad_start]).astype(jnp.int32)
+    return lane_first, lane_count, jnp.stack([pad_start, num_tokens - pad_start]).astype(jnp.int32)
+
+
+def lane_state(lane, pad_lane):
+    """The index of grid lane `lane`'s start state: the padding lane (`padding_lane`; None: the grid has none) reads
+    the last real lane's, a load its zero chunks never use."""
+    return lane if pad_lane is None else jnp.minimum(lane, pad_lane - 1)
+
+
+def real_lanes(lane, pad_lane):
+    """A decorator running its body on every grid lane but the padding lane (`padding_lane`; None: the grid has
+    none), where an end state is stored."""
+    return (lambda body: body()) if pad_lane is None else pl.when(lane != pad_lane)
 
 
 def store_chunk(value, tiled, whole, rows_s, dst, start, length):

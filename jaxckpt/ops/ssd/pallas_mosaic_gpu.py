@@ -238,7 +238,8 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
     def _state():
         plgpu.set_max_registers(232, action="increase")
         if has_init:
-            S0 = tuple(tiles.load(init_ref.at[lane, h, cols, pl.ds(k * PIECE, PIECE)]) for k in range(pieces))
+            start = tiles.lane_state(lane, pad_lane)
+            S0 = tuple(tiles.load(init_ref.at[start, h, cols, pl.ds(k * PIECE, PIECE)]) for k in range(pieces))
         else:
             S0 = tuple(plgpu.layout_cast(jnp.zeros(half_shape, _F32), _WG) for _ in range(pieces))
         tile_t = (BLOCK_P, CHUNK)  # x^T
@@ -308,8 +309,12 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
             return len_ref[c], (ck_count_ref[c] > 0) if has_checkpoints else False
 
         S, _, _ = lax.fori_loop(0, count, step, (S0, *ahead(first)))
-        for k in range(pieces):
-            end_ref.at[lane, h, cols, pl.ds(k * PIECE, PIECE)][...] = S[k]
+
+        @tiles.real_lanes(lane, pad_lane)
+        def _():
+            for k in range(pieces):
+                end_ref.at[lane, h, cols, pl.ds(k * PIECE, PIECE)][...] = S[k]
+
         if has_output:
             def drain(i, carry):
                 plgpu.barrier_wait(s["s_free"].at[lax.rem(i, _PUBLISH)])
@@ -406,7 +411,7 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
 
     lanes = [lane_first.astype(jnp.int32), lane_count.astype(jnp.int32)]
     if has_output:
-        *lanes, lane_init, pad = tiles.padding_lane(*lanes, chunk_start, chunk_len, num_tokens, lane_init)
+        *lanes, pad = tiles.padding_lane(*lanes, chunk_start, chunk_len, num_tokens)
     grid_lanes = lanes[0].shape[0]
     inputs = lanes + [chunk_start.astype(jnp.int32), chunk_len.astype(jnp.int32), acs.astype(_F32),
                       delta.astype(_F32), x, B]
@@ -418,7 +423,7 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
     inputs += [lane_init.astype(_F32)] if has_init else []
     inputs += [a.astype(jnp.int32) for a in checkpoints] if has_checkpoints else []
     state_type = lambda rows: jax.ShapeDtypeStruct((rows, num_heads, head_p, head_n), _F32)  # noqa: E731
-    out_type = ([jax.ShapeDtypeStruct(x.shape, dtype)] if has_output else []) + [state_type(grid_lanes)]
+    out_type = ([jax.ShapeDtypeStruct(x.shape, dtype)] if has_output else []) + [state_type(num_lanes)]
     out_type += [state_type(checkpoints[2].shape[0])] if has_checkpoints else []
     consumers = 2 if has_output else 1
     untiled = lambda shape: plgpu.SMEM(shape, dtype, transforms=(plgpu.SwizzleTransform(128),))  # noqa: E731
@@ -450,7 +455,7 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
             scratch.update(p_d=tiles.swizzled((CHUNK, CHUNK), dtype))
     body = functools.partial(_ssd_kernel, reps=num_heads // num_groups, stages=stages, has_output=has_output,
                              has_init=has_init, has_checkpoints=has_checkpoints, has_D=has_D, has_z=has_z,
-                             interpret=bool(interpret), pad_lane=grid_lanes - 1)
+                             interpret=bool(interpret), pad_lane=grid_lanes - 1 if has_output else None)
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type), scratch_types=scratch, grid=(grid_lanes, num_heads, head_p // BLOCK_P),
         grid_names=("l", "h", "j"), num_threads=consumers + 1, thread_name="wg",
@@ -458,7 +463,7 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
         interpret=tiles.interpret_params(interpret), kernel_name="ssd_lanes" if has_output else "ssd_lanes_states")
     outs = list(kernel(*inputs))
     y = outs.pop(0) if has_output else None
-    lane_end = outs.pop(0)[:num_lanes]
+    lane_end = outs.pop(0)
     return y, lane_end, (outs.pop(0) if has_checkpoints else None)
 
 

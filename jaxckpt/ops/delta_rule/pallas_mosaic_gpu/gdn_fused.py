@@ -288,7 +288,7 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
             keys = plgpu.broadcasted_iota(jnp.int32, state_shape, 1, layout=_WG)
             S0 = jnp.where(identity & (keys == rows + j * BLOCK_V), 1.0, 0.0).astype(_F32)
         elif has_init:
-            S0 = tiles.load(init_ref.at[lane, h, cols])
+            S0 = tiles.load(init_ref.at[tiles.lane_state(lane, pad_lane), h, cols])
         else:
             S0 = plgpu.layout_cast(jnp.zeros(state_shape, _F32), _WG)
         detour = lambda name: s.get(name)  # noqa: E731  (interpret only)
@@ -370,7 +370,11 @@ def _fused_kernel(*refs, group, scale, stages, map_mode, has_init, has_checkpoin
             return S_next
 
         S = lax.fori_loop(0, count, step, S0)
-        end_ref.at[lane, h, cols][...] = S
+
+        @tiles.real_lanes(lane, pad_lane)
+        def _():
+            end_ref.at[lane, h, cols][...] = S
+
         if not map_mode:
             def drain(i, carry):
                 plgpu.barrier_wait(s["s_free"].at[lax.rem(i, 2)])
@@ -486,8 +490,7 @@ def gdn_fused_lanes(lane_first, lane_count, chunk_start, chunk_len, q, k, v, bet
     extra = []
     if not map_mode:
         chunk_start, chunk_len = chunk_start.astype(jnp.int32), chunk_len.astype(jnp.int32)
-        lane_first, lane_count, lane_init, pad = tiles.padding_lane(lane_first, lane_count, chunk_start, chunk_len,
-                                                                    num_tokens, lane_init)
+        lane_first, lane_count, pad = tiles.padding_lane(lane_first, lane_count, chunk_start, chunk_len, num_tokens)
         extra = [chunk_start, chunk_len, pad]
     grid_lanes = lane_first.shape[0]
     inputs = [lane_first, lane_count, G.astype(_F32), beta.astype(_F32), T0, k, v]
@@ -497,7 +500,7 @@ def gdn_fused_lanes(lane_first, lane_count, chunk_start, chunk_len, q, k, v, bet
     if has_checkpoints:
         inputs += [x.astype(jnp.int32) for x in checkpoints]
 
-    end_type = jax.ShapeDtypeStruct((grid_lanes, num_v_heads, width, head_k), _F32)
+    end_type = jax.ShapeDtypeStruct((num_lanes, num_v_heads, width, head_k), _F32)
     out_type = [end_type]
     if not map_mode:
         out_type = [jax.ShapeDtypeStruct((num_tokens, num_v_heads, head_v), dtype), end_type,
@@ -524,7 +527,7 @@ def gdn_fused_lanes(lane_first, lane_count, chunk_start, chunk_len, q, k, v, bet
 
     body = functools.partial(_fused_kernel, group=group, scale=float(scale), stages=stages, map_mode=map_mode,
                              has_init=has_init, has_checkpoints=has_checkpoints, terms=state_terms,
-                             interpret=bool(interpret), pad_lane=grid_lanes - 1)
+                             interpret=bool(interpret), pad_lane=None if map_mode else grid_lanes - 1)
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type), scratch_types=scratch, grid=(grid_lanes, num_v_heads, width // BLOCK_V),
         grid_names=("l", "h", "j"), num_threads=3, thread_name="wg",
@@ -536,7 +539,7 @@ def gdn_fused_lanes(lane_first, lane_count, chunk_start, chunk_len, q, k, v, bet
     if map_mode:
         return outs[0].swapaxes(-1, -2)
     o, lane_end, checkpoint_states = outs
-    return o, lane_end[:num_lanes].swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
+    return o, lane_end.swapaxes(-1, -2), checkpoint_states.swapaxes(-1, -2)
 
 
 def gdn_fused_pass(p, init, *, interpret=False, kkt_inverse="f16"):

@@ -188,7 +188,7 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
             keys = plgpu.broadcasted_iota(jnp.int32, state_shape, 1, layout=_WG)
             S0 = jnp.where(identity & (keys == rows + j * BLOCK_V), 1.0, 0.0).astype(_F32)
         elif has_init:
-            S0 = tiles.load(init_ref.at[lane, h, cols])
+            S0 = tiles.load(init_ref.at[tiles.lane_state(lane, pad_lane), h, cols])
         else:
             S0 = plgpu.layout_cast(jnp.zeros(state_shape, _F32), _WG)
         detour = lambda name: s.get(name)  # noqa: E731  (interpret only)
@@ -283,7 +283,11 @@ def _lanes_kernel(*refs, chunk, group, channel, stages, publish_slots, map_mode,
             return S_next, has_ck_next if has_checkpoints else has_ck
 
         S, _ = lax.fori_loop(0, count, step, (S0, has_checkpoint(first) if has_checkpoints else False))
-        end_ref.at[lane, h, cols][...] = S
+
+        @tiles.real_lanes(lane, pad_lane)
+        def _():
+            end_ref.at[lane, h, cols][...] = S
+
         if not map_mode:
             def drain(i, carry):
                 plgpu.barrier_wait(s["s_free"].at[lax.rem(i, publish_slots)])
@@ -397,8 +401,7 @@ def state_lanes(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd
     extra = []
     if not map_mode:
         chunk_start, chunk_len = chunk_start.astype(jnp.int32), chunk_len.astype(jnp.int32)
-        lane_first, lane_count, lane_init, pad = tiles.padding_lane(lane_first, lane_count, chunk_start, chunk_len,
-                                                                    num_tokens, lane_init)
+        lane_first, lane_count, pad = tiles.padding_lane(lane_first, lane_count, chunk_start, chunk_len, num_tokens)
         extra = [chunk_start, chunk_len, pad]
     grid_lanes = lane_first.shape[0]
     inputs = [lane_first, lane_count, decays.astype(_F32), w, u, kd]
@@ -411,7 +414,7 @@ def state_lanes(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd
                    checkpoints.checkpoint_pos.astype(jnp.int32), _checkpoint_keys(checkpoints, num_ckpt, chunk)]
         inputs += [checkpoints.G.astype(_F32)] if channel else []
 
-    end_type = jax.ShapeDtypeStruct((grid_lanes, num_v_heads, width, head_k), _F32)
+    end_type = jax.ShapeDtypeStruct((num_lanes, num_v_heads, width, head_k), _F32)
     out_type = [end_type]
     if not map_mode:
         out_type = [jax.ShapeDtypeStruct((num_tokens, num_v_heads, head_v), dtype), end_type,
@@ -440,7 +443,7 @@ def state_lanes(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd
     body = functools.partial(_lanes_kernel, chunk=chunk, group=group, channel=channel, stages=stages,
                              publish_slots=publish_slots, map_mode=map_mode, has_init=has_init,
                              has_checkpoints=has_checkpoints, terms=state_terms, interpret=bool(interpret),
-                             pad_lane=grid_lanes - 1)
+                             pad_lane=None if map_mode else grid_lanes - 1)
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type), scratch_types=scratch, grid=(grid_lanes, num_v_heads, width // BLOCK_V),
         grid_names=("l", "h", "j"), num_threads=consumers + 1, thread_name="wg",
@@ -453,7 +456,7 @@ def state_lanes(lane_first, lane_count, chunk_start, chunk_len, decays, w, u, kd
     if map_mode:
         return kv(outs[0])
     o, lane_end, checkpoint_states = outs
-    return o, kv(lane_end[:num_lanes]), kv(checkpoint_states)
+    return o, kv(lane_end), kv(checkpoint_states)
 
 
 def state_pass_v2(p, w, u, kd, qg, aqk, init, *, per_channel_decay, interpret=False, stages=None, publish_slots=1,
