@@ -62,7 +62,8 @@ work under it; each keeps the first form selectable ("split", 1, "rows") for A/B
   (eigenvalue 1 - beta |k|^2 < -1 along k), T' grows as (beta |k|^2 - 1)^63 over a chunk, and the fp16 levels
   overflow once that passes 65504 (about beta |k|^2 > 2.4 for parallel keys), as the fp32 state itself does a few
   chunks later. `tests/ops/test_pallas_mosaic_gpu_intra.py::test_raw_keys_of_any_norm` covers raw, near-parallel
-  keys over six decades of norm.
+  keys over six decades of norm. With `l2norm` the kernel has made the keys unit (or zero) itself, A's entries are at
+  most beta_i unscaled, and D = I is not formed (the KDA kernel likewise).
 - `inverse="blocked"` (16-bit I/O, one chunk per CTA; the default there because it measured faster than "f16" on
   the H200 at T 8192 and 32768, H 16, with outputs equal to "f16"'s against the Triton kernel to three digits,
   bench/README.md, kernel-level runs, `bench/results/mosaic_gpu_intra_h200_blocked.log`): the chain shortened
@@ -295,11 +296,15 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_re
     gamma = jnp.exp(G_row)
 
     k = _landed(land_k, length, l2norm)
-    d, d_inv = tiles.key_scales(jnp.sum(k * k, axis=1))
+    if l2norm:  # unit (or zero) keys: D = I ("Range")
+        b_d, d_inv = b_row, None
+    else:
+        d, d_inv = tiles.key_scales(jnp.sum(k * k, axis=1))
+        b_d = b_row * d
     tiles.store_parts(k_s, k, parts)
-    tiles.store_parts(kb_s, k * tiles.by_row(b_row * gamma * d, k.shape), parts)  # D (beta exp(G) K)
+    tiles.store_parts(kb_s, k * tiles.by_row(b_d * gamma, k.shape), parts)  # D (beta exp(G) K)
     v = tiles.landed_tokens(land_v, length)
-    tiles.store_parts(vb_s, v * tiles.by_row(b_row * d, v.shape), parts)  # D (beta V)
+    tiles.store_parts(vb_s, v * tiles.by_row(b_d, v.shape), parts)  # D (beta V)
     q = _landed(land_q, length, l2norm)
     plgpu.commit_smem()  # also a warpgroup barrier: the landing tiles are dead from here on
     _stage_out(score_stages, k * tiles.by_row(jnp.exp(G_last - G_row), k.shape), kd_ref.at[h, c])
@@ -314,12 +319,14 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, beta_ref, G_ref, w_re
     _stage_out(score_stages, scale * qk * decay, aqk_ref.at[h, c])
     _stage_out(score_stages, scale * q * tiles.by_row(gamma, q.shape), qg_ref.at[h, c])
 
-    A = _strict_A(S, b_row * d, decay) * tiles.by_col(tiles.as_cols(d_inv, CHUNK), sq)  # D A D^-1
+    A = _strict_A(S, b_d, decay)  # D A D^-1
+    A = A if d_inv is None else A * tiles.by_col(tiles.as_cols(d_inv, CHUNK), sq)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the score stages share their bytes with the inverse's
     T = doubling_inverse(A, *inv_bufs, pad=pad[0] if substitute else None)
     w, u = tiles.dots((T, tuple(kb_s.at[p] for p in range(parts)), (CHUNK, head_k)),
                  (T, tuple(vb_s.at[p] for p in range(parts)), (CHUNK, head_v)))
-    w, u = (x * tiles.by_row(d_inv, x.shape) for x in (w, u))  # D^-1 T' D (.)
+    if d_inv is not None:
+        w, u = (x * tiles.by_row(d_inv, x.shape) for x in (w, u))  # D^-1 T' D (.)
     _stage_out(wy_stages, w, w_ref.at[h, c])
     _stage_out(wy_stages, u, u_ref.at[h, c])
     # the CTA may exit once its stores have read SMEM (as CUTLASS epilogues do): the writes finish before the

@@ -450,17 +450,24 @@ def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, shuffle,
     # score phase's SMEM (which the solve phase's tiles alias) is dead
     b_row = plgpu.load(b_s, layout=_ROWS)
     op_dtype = kb_s.dtype
-    # the key norms for the inverse's scaling (`tiles.key_scales`), summed here rather than before the scores so
-    # that nothing more stays live through the score phase
-    r2 = sum(jnp.sum(jnp.square(plgpu.load(land_k.at[j], layout=_WG).astype(_F32)), axis=1) for j in _slabs(land_k))
-    d, d_inv = tiles.key_scales(r2)
+    if l2norm:
+        # unit (or zero) keys: the inverse's entries are at most beta_i unscaled, and `tiles.key_scales` would give
+        # d = 1 at every |k|^2 in [0.5, 2), so the norms are not summed again
+        b_d, d_inv = b_row, None
+    else:
+        # the key norms for the inverse's scaling (`tiles.key_scales`), summed here rather than before the scores
+        # so that nothing more stays live through the score phase
+        r2 = sum(jnp.sum(jnp.square(plgpu.load(land_k.at[j], layout=_WG).astype(_F32)), axis=1)
+                 for j in _slabs(land_k))
+        d, d_inv = tiles.key_scales(r2)
+        b_d = b_row * d
     kb = []
     for j in _slabs(land_k):
         G = plgpu.load(g_pieces.at[j], layout=_WG)
         k = plgpu.load(land_k.at[j], layout=_WG).astype(_F32)
         q = plgpu.load(land_q.at[j], layout=_WG).astype(_F32)
         gamma = jnp.exp(G)
-        kb.append(tiles.split(k * tiles.by_row(b_row * d, slab) * gamma, op_dtype, parts))  # D (beta exp(G) K)
+        kb.append(tiles.split(k * tiles.by_row(b_d, slab) * gamma, op_dtype, parts))  # D (beta exp(G) K)
         land_k.at[j][...] = (k * jnp.exp(_row(g_rows, CHUNK - 1, j) - G)).astype(land_k.dtype)  # padding: G flat
         land_q.at[j][...] = (scale * q * gamma).astype(land_q.dtype)
     plgpu.commit_smem()  # also a warpgroup barrier: the score phase's tiles are dead from here on
@@ -475,7 +482,8 @@ def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, shuffle,
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(aqk_s, aqk_ref.at[h, c])
 
-    A = tiles.by_row(b_row * d, sq) * kk * tiles.by_col(tiles.as_cols(d_inv, CHUNK), sq)  # D A D^-1
+    A = tiles.by_row(b_d, sq) * kk  # D A D^-1
+    A = A if d_inv is None else A * tiles.by_col(tiles.as_cols(d_inv, CHUNK), sq)
     T = _inverse(jnp.where(rows_sq > cols_sq, A, 0.0), t_buf, p_buf, pad=pad)
     if t_single:  # T rounded once to the input dtype, in AQK's staging tile once its store has read it
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -486,12 +494,13 @@ def _kda_intra_kernel(*refs, group, scale, parts, t_single, substitute, shuffle,
         t_terms = _terms(t_buf, t_buf.shape[0])
     plgpu.barrier_wait(v_bar)
     v = jnp.concatenate([plgpu.load(land_v.at[j], layout=_WG) for j in _slabs(land_v)], axis=1).astype(_F32)
-    vb = jnp.where(tiles.iota(v.shape, 0) < length, v, 0.0) * tiles.by_row(b_row * d, v.shape)  # D (beta V)
+    vb = jnp.where(tiles.iota(v.shape, 0) < length, v, 0.0) * tiles.by_row(b_d, v.shape)  # D (beta V)
     tiles.store_parts(vb_s, vb, parts)
     plgpu.commit_smem()
     head_k, head_v = kb_s.shape[-1], vb_s.shape[-1]
     w, u = tiles.dots((t_terms, _terms(kb_s, parts), (CHUNK, head_k)), (t_terms, _terms(vb_s, parts), (CHUNK, head_v)))
-    w, u = (x * tiles.by_row(d_inv, x.shape) for x in (w, u))  # D^-1 T' D (.)
+    if d_inv is not None:
+        w, u = (x * tiles.by_row(d_inv, x.shape) for x in (w, u))  # D^-1 T' D (.)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # KD has left land_k
     _store_pieces(land_k, w)
     _store_pieces(land_v, u)
