@@ -1,6 +1,6 @@
 """Random batches against the float64 token-by-token reference, on every path the CPU runs (hypothesis).
 
-Each bucket is one compiled program with traced metadata (`jax.jit`), so a thousand batches and more cost no recompiles:
+Each bucket is one compiled program with traced metadata (`jax.jit`), so hundreds of batches cost no recompiles:
 row lengths include 0, 1 and chunk multiples +- 1, rows continue an initial state or start fresh, up to three
 checkpoints per row, GVA, a few tokens with a zero decay (-inf, a state reset) or a strong one (-1e4), and NaN in
 every padding token. The paged form runs over a NaN-filled pool: only the slots named are read or written.
@@ -34,7 +34,7 @@ BUCKETS = {
     "ssd": Bucket("ssd", tokens=320, rows=4, checkpoints=6, heads=4, v_heads=2, key=4, value=8),
     "conv1d": Bucket("conv1d", tokens=320, rows=4, checkpoints=6, heads=6, key=4),
 }
-EXAMPLES = {"gdn": 1200, "kda": 1000, "ssd": 1200, "conv1d": 1200}
+EXAMPLES = {"gdn": 500, "kda": 400, "ssd": 500, "conv1d": 500}  # fresh seeds every run (no database)
 
 lengths_st = st.lists(st.one_of(st.sampled_from(SPECIAL_LENGTHS), st.integers(0, 3 * CHUNK)), min_size=4,
                       max_size=4).filter(lambda ls: sum(ls) <= 320)

@@ -68,8 +68,9 @@ def float64_intra(chunk_start, chunk_len, q, k, v, beta, g, *, group, scale):
 
 
 def run_both(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQLENS, num_tokens=NUM_TOKENS,
-             interpret=True, raw=None, qk_norms=None, **tuning):
-    """(Mosaic GPU outputs, Triton outputs, float64 outputs, chunk_len) for fresh inputs, padding tokens NaN; `raw`:
+             interpret=True, raw=None, qk_norms=None, triton=True, **tuning):
+    """(Mosaic GPU outputs, Triton outputs (None without `triton`), float64 outputs, chunk_len) for fresh inputs,
+    padding tokens NaN; `raw`:
     keys with norms in that range (`raw_keys`); `qk_norms`: q's and k's rows scaled to norms in that range and
     normalized again inside the Mosaic GPU kernel (`l2norm=True`), while the Triton kernel gets them normalized
     before its launch (`cumsum.l2norm`) and the float64 definitions in float64 (`reference.l2norm`, FLA's eps)."""
@@ -92,23 +93,26 @@ def run_both(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQ
                            l2norm=bool(qk_norms), **options, **tuning)
     if interpret:
         assert not get_races().races_found, f"seed {seed}: SMEM race (printed above)"
-    triton = triton_intra(chunk_start, chunk_len, q_in, k_in, v, beta, G, interpret=interpret, **options)
+    if triton:
+        triton = triton_intra(chunk_start, chunk_len, q_in, k_in, v, beta, G, interpret=interpret, **options)
     q64, k64 = (np.asarray(a, np.float64) for a in (q, k))
     if qk_norms:
         q64, k64 = reference.l2norm(q64), reference.l2norm(k64)
     exact = float64_intra(chunk_start, chunk_len, q64, k64, np.asarray(v, np.float64), x["beta"], x["g"], **options)
-    return [np.asarray(o) for o in mosaic], [np.asarray(o) for o in triton], exact, np.asarray(chunk_len)
+    triton = [np.asarray(o) for o in triton] if triton else [None] * len(OUTPUTS)
+    return [np.asarray(o) for o in mosaic], triton, exact, np.asarray(chunk_len)
 
 
 def check_outputs(seed, dtype, mosaic, triton, exact, chunk_len, tol):
     padding = np.arange(CHUNK)[None, :] >= chunk_len[:, None]  # [NC, C]
     for name, m, t, e in zip(OUTPUTS, mosaic, triton, exact):
         where = f"{name}, {jnp.dtype(dtype).name}, seed {seed}"
-        assert m.shape == t.shape == e.shape and m.dtype == t.dtype, where
+        assert m.shape == e.shape and m.dtype == jnp.dtype(dtype), where
         assert np.isfinite(m).all(), where
         assert not m[:, padding].any(), where  # padding rows are zero, as the Triton kernel writes them
         assert rel_rms(m, e) <= tol, (where, "vs float64", rel_rms(m, e))
-        assert rel_rms(m, t) <= tol, (where, "vs triton", rel_rms(m, t))
+        if t is not None:
+            assert rel_rms(m, t) <= tol, (where, "vs triton", rel_rms(m, t))
     aqk = mosaic[OUTPUTS.index("aqk")].astype(np.float32)
     assert not np.triu(aqk, 1).any()  # causal: nothing above the diagonal
 
@@ -143,13 +147,14 @@ def test_matches_triton_and_float64(dtype, num_heads, group, head_k, head_v, tun
 def test_raw_keys_of_any_norm(dtype, norms):
     """Keys with norms over three to six decades, near-parallel, beta = beta' / |k|^2 (beta' up to 2) and mild to
     strong decays: A's entries reach beta' |k_i| / |k_j| ~ 1e3-1e6, past what the fp16 inverse holds unscaled; the
-    kernel's similarity D A D^-1 (module docstring, step 4) keeps its operands at most 2 beta'."""
+    kernel's similarity D A D^-1 (module docstring, step 4) keeps its operands at most 2 beta'. Against float64 only
+    (the Triton kernel's own rounding on such keys is not the property)."""
     seed = int(np.random.SeedSequence().entropy % 2 ** 32)
-    check_outputs(seed, dtype, *run_both(seed, dtype, 1, 2, 64, 64, raw=norms), tol=TOL[dtype])
+    check_outputs(seed, dtype, *run_both(seed, dtype, 1, 2, 64, 64, raw=norms, triton=False), tol=TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype, tuning", [(jnp.bfloat16, {}), (jnp.float16, dict(inverse="f16", chunks_per_cta=2)),
-                                           (jnp.float32, {})])
+# 16-bit I/O only: the pipeline, which alone sets l2norm, declines fp32 inputs
+@pytest.mark.parametrize("dtype, tuning", [(jnp.bfloat16, {}), (jnp.float16, dict(inverse="f16", chunks_per_cta=2))])
 def test_l2norm_in_kernel(dtype, tuning):
     """`l2norm=True` (use_qk_l2norm, applied as the kernel reads q and k) on rows of norms over four decades: the
     outputs of the definitions on unit rows, and of the Triton kernel on rows normalized before its launch."""

@@ -70,8 +70,9 @@ def float64_intra(chunk_start, chunk_len, q, k, v, beta, g, *, group, scale):
 
 
 def run_all(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQLENS, num_tokens=NUM_TOKENS,
-            strong=False, raw=None, qk_norms=None, interpret=True, **tuning):
-    """(Mosaic GPU outputs, Triton outputs, float64 outputs, chunk_len, G) for fresh inputs, padding tokens NaN;
+            strong=False, raw=None, qk_norms=None, interpret=True, triton=True, **tuning):
+    """(Mosaic GPU outputs, Triton outputs (None without `triton`), float64 outputs, chunk_len, G) for fresh inputs,
+    padding tokens NaN;
     `qk_norms`: q's and k's rows scaled to norms in that range and normalized again inside the Mosaic GPU kernel
     (`l2norm=True`), while the Triton kernel gets them normalized before its launch and the float64 definitions in
     float64 (`reference.l2norm`)."""
@@ -95,13 +96,13 @@ def run_all(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQL
     if interpret:
         assert not get_races().races_found, f"seed {seed}: SMEM race (printed above)"
     check_gate_cumsum(seed, *mosaic[5:], np.asarray(p.G), np.asarray(checkpoint_count))
-    triton = triton_kda_intra(p, *normed, p.G, interpret=interpret)
+    triton = [np.asarray(o) for o in triton_kda_intra(p, *normed, p.G, interpret=interpret)] if triton else None
     q64, k64 = (np.asarray(a, np.float64) for a in (p.q, p.k))
     if qk_norms:
         q64, k64 = reference.l2norm(q64), reference.l2norm(k64)
     exact = float64_intra(p.lay.chunk_start, p.lay.chunk_len, q64, k64, np.asarray(p.v, np.float64),
                           x["beta"].astype(np.float64), x["g"].astype(np.float64), group=group, scale=p.scale)
-    return ([np.asarray(o) for o in mosaic[:5]], [np.asarray(o) for o in triton], exact, np.asarray(p.lay.chunk_len),
+    return ([np.asarray(o) for o in mosaic[:5]], triton or [None] * len(OUTPUTS), exact, np.asarray(p.lay.chunk_len),
             np.asarray(p.G))
 
 
@@ -120,12 +121,12 @@ def check_outputs(seed, dtype, mosaic, triton, exact, chunk_len, tol):
     errors = {}
     for name, m, t, e in zip(OUTPUTS, mosaic, triton, exact):
         where = f"{name}, {jnp.dtype(dtype).name}, seed {seed}"
-        assert m.shape == t.shape == e.shape and m.dtype == t.dtype, where
+        assert m.shape == e.shape and m.dtype == jnp.dtype(dtype), where
         assert np.isfinite(m).all(), where
         assert not m[:, padding].any(), where  # padding rows are zero, as the Triton kernels write them
-        errors[name] = rel_rms(m, e), rel_rms(m, t)
+        errors[name] = rel_rms(m, e), None if t is None else rel_rms(m, t)
         assert errors[name][0] <= tol, (where, "vs float64", errors[name][0])
-        assert errors[name][1] <= tol, (where, "vs triton", errors[name][1])
+        assert t is None or errors[name][1] <= tol, (where, "vs triton", errors[name][1])
     aqk = mosaic[OUTPUTS.index("aqk")].astype(np.float32)
     assert not np.triu(aqk, 1).any()  # causal: nothing above the diagonal
     return errors
@@ -159,13 +160,15 @@ def test_matches_triton_and_float64(dtype, num_heads, group, tuning):
 @pytest.mark.parametrize("dtype, norms", [(jnp.bfloat16, (1e-3, 1e3)), (jnp.float16, (0.015, 60.0))])
 def test_raw_keys_of_any_norm(dtype, norms):
     """`delta_rule.pallas_mosaic_gpu.intra`'s test of the same name: keys over several decades of norm, near-parallel,
-    beta = beta' / |k|^2 with beta' up to 2; the similarity keeps the fp16 inverse's operands in range."""
+    beta = beta' / |k|^2 with beta' up to 2; the similarity keeps the fp16 inverse's operands in range. Against float64
+    only (the Triton kernel's own rounding on such keys is not the property)."""
     seed = int(np.random.SeedSequence().entropy % 2 ** 32)
-    outputs = run_all(seed, dtype, 1, 2, 64, 64, raw=norms)
+    outputs = run_all(seed, dtype, 1, 2, 64, 64, raw=norms, triton=False)
     check_outputs(seed, dtype, *outputs[:4], tol=TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype, tuning", [(jnp.bfloat16, {}), (jnp.float16, dict(inverse="f16")), (jnp.float32, {})])
+# 16-bit I/O only: the pipeline, which alone sets l2norm, declines fp32 inputs
+@pytest.mark.parametrize("dtype, tuning", [(jnp.bfloat16, {}), (jnp.float16, dict(inverse="f16"))])
 def test_l2norm_in_kernel(dtype, tuning):
     """`l2norm=True` (use_qk_l2norm, applied as q and k land) on rows of norms over four decades: the outputs of the
     definitions on unit rows, and of the Triton kernel on rows normalized before its launch."""
@@ -189,7 +192,7 @@ def test_fp16_score_operands_beat_bf16_ones():
 def test_strong_decays_stay_exact():
     dtype = jnp.bfloat16
     seed = int(np.random.SeedSequence().entropy % 2 ** 32)
-    *outputs, G = run_all(seed, dtype, 1, 2, 64, 64, strong=True)
+    *outputs, G = run_all(seed, dtype, 1, 2, 64, 64, strong=True, triton=False)
     chunk_len = outputs[3]
     real = np.arange(CHUNK)[None, :] < chunk_len[:, None]  # [NC, C]
     # a naive exp(G_i) exp(-G_j) factorisation would overflow fp32 on these chunks
