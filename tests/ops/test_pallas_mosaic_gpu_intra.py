@@ -69,11 +69,11 @@ def float64_intra(chunk_start, chunk_len, q, k, v, beta, g, *, group, scale):
 
 def run_both(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQLENS, num_tokens=NUM_TOKENS,
              interpret=True, raw=None, qk_norms=None, triton=True, **tuning):
-    """(Mosaic GPU outputs, Triton outputs (None without `triton`), float64 outputs, chunk_len) for fresh inputs,
-    padding tokens NaN; `raw`:
-    keys with norms in that range (`raw_keys`); `qk_norms`: q's and k's rows scaled to norms in that range and
-    normalized again inside the Mosaic GPU kernel (`l2norm=True`), while the Triton kernel gets them normalized
-    before its launch (`cumsum.l2norm`) and the float64 definitions in float64 (`reference.l2norm`, FLA's eps)."""
+    """(Mosaic GPU outputs, Triton outputs (Nones without `triton`), float64 outputs, chunk_len) for fresh inputs,
+    padding tokens NaN; `raw`: keys with norms in that range (`raw_keys`); `qk_norms`: q's and k's rows scaled to
+    norms in that range and normalized again inside the Mosaic GPU kernel (`l2norm=True`), while the Triton kernel
+    gets them normalized before its launch (`cumsum.l2norm`) and the float64 definitions in float64
+    (`reference.l2norm`, FLA's eps)."""
     rng = np.random.default_rng(seed)
     x = make_inputs(rng, num_tokens, num_heads, num_heads * group, head_k, head_v)
     if raw:
@@ -83,7 +83,6 @@ def run_both(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQ
     for name in ("q", "k", "v"):
         x[name][cu_seqlens[-1]:] = np.nan  # padding tokens: never read unmasked
     q, k, v = (jnp.asarray(x[name], dtype) for name in ("q", "k", "v"))
-    q_in, k_in = (cumsum.l2norm(q), cumsum.l2norm(k)) if qk_norms else (q, k)
     beta, g = jnp.asarray(x["beta"]), jnp.asarray(x["g"])
     chunk_start, chunk_len = layout(cu_seqlens, num_tokens)
     G = gate_cumsum(chunk_start, chunk_len, g, interpret=interpret)
@@ -93,14 +92,16 @@ def run_both(seed, dtype, num_heads, group, head_k, head_v, *, cu_seqlens=CU_SEQ
                            l2norm=bool(qk_norms), **options, **tuning)
     if interpret:
         assert not get_races().races_found, f"seed {seed}: SMEM race (printed above)"
+    triton_outputs = [None] * len(OUTPUTS)
     if triton:
-        triton = triton_intra(chunk_start, chunk_len, q_in, k_in, v, beta, G, interpret=interpret, **options)
+        q_in, k_in = (cumsum.l2norm(q), cumsum.l2norm(k)) if qk_norms else (q, k)
+        triton_outputs = [np.asarray(o) for o in triton_intra(chunk_start, chunk_len, q_in, k_in, v, beta, G,
+                                                              interpret=interpret, **options)]
     q64, k64 = (np.asarray(a, np.float64) for a in (q, k))
     if qk_norms:
         q64, k64 = reference.l2norm(q64), reference.l2norm(k64)
     exact = float64_intra(chunk_start, chunk_len, q64, k64, np.asarray(v, np.float64), x["beta"], x["g"], **options)
-    triton = [np.asarray(o) for o in triton] if triton else [None] * len(OUTPUTS)
-    return [np.asarray(o) for o in mosaic], triton, exact, np.asarray(chunk_len)
+    return [np.asarray(o) for o in mosaic], triton_outputs, exact, np.asarray(chunk_len)
 
 
 def check_outputs(seed, dtype, mosaic, triton, exact, chunk_len, tol):
