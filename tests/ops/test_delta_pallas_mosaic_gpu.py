@@ -253,20 +253,23 @@ def test_supports_sizes_the_launch_grids_from_the_rows():
         jax.eval_shape(entry, *shapes(256), jax.ShapeDtypeStruct((2001,), jnp.int32))
 
 
-def test_defaults_run_the_lanes_pass_against_float64():
-    """Left-out options: the lanes state pass with pieces from the shapes and one term per chain product; the Mosaic
-    GPU intra for any keys."""
+def test_defaults_run_the_lanes_pass_against_float64(gdn_case):
+    """Left-out options: the lanes state pass with pieces from the shapes and one 16-bit term per product on the state
+    chain (FLA's precision); the Mosaic GPU intra for any keys. In the bf16 class against float64, and really another
+    rounding than `gdn_case`'s hi + lo products on the same inputs."""
     assert mosaic_delta.default_tuning(per_channel_decay=False) == dict(state="v2", pieces="auto",
                                                                         state_terms=1)
     assert mosaic_delta.default_tuning(per_channel_decay=True) == dict(state="v2", pieces="auto",
                                                                        state_terms=1)
-    inputs, options = make_case(np.random.default_rng(), per_channel=False, layout="kv")
+    inputs, options, hi_lo, _ = gdn_case
     arrays = {name: jnp.asarray(x) for name, x in poisoned(inputs).items()}
     given = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
     actual = [np.asarray(x, np.float32) for x in gdn_mosaic.gated_delta_rule(**arrays, **given, interpret=True)]
     reference = gdn_reference.gated_delta_rule(**inputs, **options)
     for name, a, r in zip(("o", "final_state", "checkpoint_states"), actual, reference):
         assert np.isfinite(a).all() and rel_rms(a, r) <= BF16_TOL, (name, rel_rms(a, r))
+    # the lo halves' share: ~6e-4 of o and ~2e-4 of the checkpoints (fp32 reordering: ~1e-7)
+    assert rel_rms(actual[0], hi_lo[0]) > 1e-4 and rel_rms(actual[2], hi_lo[2]) > 1e-5
     with pytest.raises(ValueError, match="state='fused' replaces"):
         mosaic_delta.delta_rule_mosaic(**arrays, per_channel_decay=False, interpret=True, state="fused",
                                        intra_inverse="blocked")
@@ -291,15 +294,15 @@ def test_defaults_on_raw_keys_against_float64(per_channel):
         assert np.isfinite(a).all() and rel_rms(a, r) <= BF16_TOL, (name, rel_rms(a, r))
 
 
-@pytest.mark.parametrize("state", ["v2", "fused"])
-def test_one_state_term_against_float64(state):
-    """state_terms=1 (one 16-bit term per product on the state chain, FLA's precision): still in the bf16 class
-    against float64, with the rows split into pieces; and really a different rounding from the hi + lo default."""
+def test_fused_pass_one_state_term_against_float64():
+    """The fused GDN pass with state_terms=1 (one 16-bit term per product on the state chain): in the bf16 class
+    against float64, with the rows split into pieces, and really another rounding than its hi + lo products (the
+    lanes pass's is `test_defaults_run_the_lanes_pass_against_float64`)."""
     inputs, options = make_case(np.random.default_rng(), per_channel=False, layout="kv")
     arrays = {name: jnp.asarray(x) for name, x in poisoned(inputs).items()}
     given = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
     call = lambda terms: [np.asarray(x, np.float32) for x in gdn_mosaic.gated_delta_rule(  # noqa: E731
-        **arrays, **given, interpret=True, state=state, pieces=2, state_terms=terms)]
+        **arrays, **given, interpret=True, state="fused", pieces=2, state_terms=terms)]
     one, two = call(1), call(2)
     reference = gdn_reference.gated_delta_rule(**inputs, **options)
     for name, a, r in zip(("o", "final_state", "checkpoint_states"), one, reference):

@@ -34,7 +34,8 @@ CASES = ([(op, "reference", "in_chunk") for op in BUCKETS]
          + [(op, impl, "in_chunk") for op in ("gdn", "kda", "ssd") for impl in ("pallas_triton", "pallas_mosaic_gpu")]
          + [(op, "sequence_parallel", "in_chunk") for op in ("gdn", "kda")])
 # the interpreted kernels and the split method's eager launches take one of these poisons per input in turn (NaN in
-# some, inf in the others); tests/gpu/test_fuzz_gpu.py poisons the compiled kernels on the GPU with all of them
+# some, inf in the others), all inputs of the row in one call; tests/gpu/test_fuzz_gpu.py poisons the compiled
+# kernels on the GPU with all of them
 INTERPRETED_POISONS = (np.nan, np.inf)
 
 
@@ -88,23 +89,25 @@ def test_poisoned_row_and_padding_leave_the_others_bitwise(op, implementation, m
         others = [r for r in range(bucket.rows) if r != poisoned]
         tokens = np.concatenate([np.arange(cu[r], cu[r + 1]) for r in others])
         ckpts = np.concatenate([np.arange(ccu[r], ccu[r + 1]) for r in others]).astype(int)
-        for n, name in enumerate(list(batch.arrays) + ["initial_state"]):
-            for value in poisons[n % len(poisons):][:1] if interpreted else poisons:
+        names = list(batch.arrays) + ["initial_state"]
+        # interpreted: one call with every input of the row poisoned at once (any leak still reaches a neighbour as
+        # NaN or inf); compiled: one call per input and poison
+        poisonings = ([[(name, poisons[n % len(poisons)]) for n, name in enumerate(names)]] if interpreted else
+                      [[(name, value)] for name in names for value in poisons])
+        for poisoning in poisonings:
+            arrays, init = dict(batch.arrays), batch.initial_state.copy()
+            for name, value in poisoning:
                 if name == "initial_state":
-                    init = batch.initial_state.copy()
                     init[poisoned] = value
-                    changes = dict(initial_state=init)
                 else:
-                    arrays = dict(batch.arrays)
                     a = np.asarray(arrays[name], np.float32).copy()
                     a[cu[poisoned] + int(rng.integers(cu[poisoned + 1] - cu[poisoned]))] = value
                     arrays[name] = jnp.asarray(a, batch.arrays[name].dtype)
-                    changes = dict(arrays=arrays)
-                out = _run(batch, implementation, method, **changes)
-                where = f"{name} = {value} in row {poisoned}"
-                assert _same(out[0][tokens], base[0][tokens]), f"outputs of other rows changed: {where}"
-                assert _same(out[1][others], base[1][others]), f"final states of other rows changed: {where}"
-                assert _same(out[2][ckpts], base[2][ckpts]), f"checkpoints of other rows changed: {where}"
+            out = _run(batch, implementation, method, arrays=arrays, initial_state=init)
+            where = f"{', '.join(f'{name} = {value}' for name, value in poisoning)} in row {poisoned}"
+            assert _same(out[0][tokens], base[0][tokens]), f"outputs of other rows changed: {where}"
+            assert _same(out[1][others], base[1][others]), f"final states of other rows changed: {where}"
+            assert _same(out[2][ckpts], base[2][ckpts]), f"checkpoints of other rows changed: {where}"
     for value in poisons[:1] if interpreted else poisons:
         arrays = {name: jnp.asarray(np.where(np.arange(bucket.tokens).reshape(-1, *[1] * (a.ndim - 1)) >= cu[-1],
                                              value, np.asarray(a, np.float32)), a.dtype)
