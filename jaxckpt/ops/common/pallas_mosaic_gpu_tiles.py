@@ -135,7 +135,8 @@ def lhs(x, detour):
 
 def matmuls(*products, during=None):
     """For each (shape, pairs): sum(a @ b for a, b in pairs) on the tensor cores into its own fp32 accumulator, every
-    wgmma issued before the first read; `during()` runs between the issue and the reads, overlapping the wgmmas.
+    wgmma issued before the first read; `during()` runs between the issue and the reads, overlapping the wgmmas, and
+    what it returns, unless None, comes back after the accumulators.
 
     The optimization barrier keeps arithmetic on the results after the accumulator reads: their wgmma wait has no
     data dependency on the registers, so LLVM could otherwise move uses of stale registers before it.
@@ -144,9 +145,8 @@ def matmuls(*products, during=None):
         for acc, (_, pairs) in zip(accs, products):
             for a, b in pairs:
                 plgpu.wgmma(acc, a, b)
-        if during is not None:
-            during()
-        return tuple(acc[...] for acc in accs)
+        extra = None if during is None else during()
+        return tuple(acc[...] for acc in accs) + (() if extra is None else (extra,))
 
     return lax.optimization_barrier(pl.run_scoped(scoped, *(plgpu.ACC(shape, F32) for shape, _ in products)))
 

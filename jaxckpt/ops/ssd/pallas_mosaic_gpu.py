@@ -30,8 +30,12 @@ layout S [BP, N] fp32 in registers (WGMMA layout, N = d_state on the columns, as
   tokens. With D, D x (x from the ring's tile) is added, then with z the gate y <- y z sigmoid(z) (z from its
   own tile), both in fp32 before y is rounded: y is rounded to 16 bits once, as by the Triton SSD, where a gate
   after the kernel would round it twice (rel-RMS against float64 1.7e-3 instead of 2.4e-3 in the interpreter test
-  where D x dominates y), and no pass reads y and z again. Precision as mamba_ssm's and FLA's chunk scans: the
-  output products take the state and P in 16 bits with fp32 accumulation.
+  where D x dominates y), and no pass reads y and z again. D x and z sigmoid(z) need no product, so they are formed
+  while the chunk's two output wgmmas run, and sigmoid takes no IEEE divide (1 / u as rsqrt(u)^2, u = 1 + exp(-z)
+  >= 1): run serially after the wgmmas, with an IEEE divide, this epilogue had added 0.15 ms to the kernel's 0.23 ms
+  at (8192, 128) on an H100 (bench/README.md, "SSD's gated epilogue"). Exps are ex2.approx (`approx_math`; one MUFU
+  op and a multiply, as the Triton kernels' exp2). Precision as mamba_ssm's and FLA's chunk scans: the output
+  products take the state and P in 16 bits with fp32 accumulation.
 Ring slots are refilled once both consumers have released them (`in_free`, two arrivals), and so are z's tiles
 (the output warpgroup reads chunk i's z before it releases chunk i; `z_bar` says a z tile landed); published S slots
 are reused once the output warpgroup has read them (`s_free`). All warpgroups meet at a final barrier (a warpgroup
@@ -351,20 +355,33 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                 weights = decay * tiles.by_col(tiles.load(delta_s.at[slot], _COL), square)
                 p = jnp.where(keep, scores * weights, 0.0).astype(dtype)
                 plgpu.barrier_wait(s["s_ready"].at[half])
-                inter, intra = tiles.matmuls(
+
+                def epilogue_terms():
+                    """D x and z silu(z): they need no product, so they run while the wgmmas do."""
+                    terms = {}
+                    if has_D:
+                        terms["skip"] = skip * tiles.load(x_s.at[slot]).astype(_F32)
+                    if has_z:
+                        # elementwise: a NaN or another row's z in rows past the chunk's length stays in those
+                        # rows, which are never stored
+                        z_half = lax.rem(i, _Z_SLOTS)
+                        plgpu.barrier_wait(s["z_bar"].at[z_half])
+                        z = tiles.load(z_s.at[z_half]).astype(_F32)
+                        # 1 / u as rsqrt(u)^2 (u >= 1): two MUFU ops where an IEEE divide is a long sequence
+                        root = lax.rsqrt(1.0 + jnp.exp(-z))
+                        terms["gate"] = z * (root * root)
+                    return terms or None
+
+                inter, intra, *terms = tiles.matmuls(
                     (out_shape, tuple((c_s.at[slot, k], s_pub.at[half, k].T) for k in range(pieces))),
-                    (out_shape, ((tiles.lhs(p, detour("p_d")), x_s.at[slot]),)))
+                    (out_shape, ((tiles.lhs(p, detour("p_d")), x_s.at[slot]),)), during=epilogue_terms)
                 plgpu.barrier_arrive(s["s_free"].at[half])
+                terms = terms[0] if terms else {}
                 y = tiles.by_row(jnp.exp(acs_i), out_shape) * inter + intra
                 if has_D:
-                    y = y + skip * tiles.load(x_s.at[slot]).astype(_F32)
+                    y = y + terms["skip"]
                 if has_z:
-                    # elementwise: a NaN or another row's z in rows past the chunk's length stays in those rows,
-                    # which are never stored
-                    z_half = lax.rem(i, _Z_SLOTS)
-                    plgpu.barrier_wait(s["z_bar"].at[z_half])
-                    z = tiles.load(z_s.at[z_half]).astype(_F32)
-                    y = y * z / (1.0 + jnp.exp(-z))
+                    y = y * terms["gate"]
                 plgpu.barrier_arrive(in_free.at[slot])
                 return y.astype(dtype)
 
@@ -459,7 +476,7 @@ def ssd_lanes(lane_first, lane_count, chunk_start, chunk_len, acs, delta, x, B, 
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type), scratch_types=scratch, grid=(grid_lanes, num_heads, head_p // BLOCK_P),
         grid_names=("l", "h", "j"), num_threads=consumers + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=tiles.interpret_params(interpret), kernel_name="ssd_lanes" if has_output else "ssd_lanes_states")
     outs = list(kernel(*inputs))
     y = outs.pop(0) if has_output else None
