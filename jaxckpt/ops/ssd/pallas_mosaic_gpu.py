@@ -357,10 +357,10 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                 plgpu.barrier_wait(s["s_ready"].at[half])
 
                 def epilogue_terms():
-                    """D x and z silu(z): they need no product, so they run while the wgmmas do."""
-                    terms = {}
-                    if has_D:
-                        terms["skip"] = skip * tiles.load(x_s.at[slot]).astype(_F32)
+                    """(D x, z silu(z)), each None when not asked for: they need no product, so they run while the
+                    wgmmas do."""
+                    skip_x = skip * tiles.load(x_s.at[slot]).astype(_F32) if has_D else None
+                    gate = None
                     if has_z:
                         # elementwise: a NaN or another row's z in rows past the chunk's length stays in those
                         # rows, which are never stored
@@ -369,19 +369,18 @@ def _ssd_kernel(*refs, reps, stages, has_output, has_init, has_checkpoints, has_
                         z = tiles.load(z_s.at[z_half]).astype(_F32)
                         # 1 / u as rsqrt(u)^2 (u >= 1): two MUFU ops where an IEEE divide is a long sequence
                         root = lax.rsqrt(1.0 + jnp.exp(-z))
-                        terms["gate"] = z * (root * root)
-                    return terms or None
+                        gate = z * (root * root)
+                    return skip_x, gate
 
-                inter, intra, *terms = tiles.matmuls(
+                inter, intra, (skip_x, gate) = tiles.matmuls(
                     (out_shape, tuple((c_s.at[slot, k], s_pub.at[half, k].T) for k in range(pieces))),
                     (out_shape, ((tiles.lhs(p, detour("p_d")), x_s.at[slot]),)), during=epilogue_terms)
                 plgpu.barrier_arrive(s["s_free"].at[half])
-                terms = terms[0] if terms else {}
                 y = tiles.by_row(jnp.exp(acs_i), out_shape) * inter + intra
                 if has_D:
-                    y = y + terms["skip"]
+                    y = y + skip_x
                 if has_z:
-                    y = y * terms["gate"]
+                    y = y * gate
                 plgpu.barrier_arrive(in_free.at[slot])
                 return y.astype(dtype)
 
