@@ -32,10 +32,10 @@ layout S [BP, N] fp32 in registers (WGMMA layout, N = d_state on the columns, as
   after the kernel would round it twice (rel-RMS against float64 1.7e-3 instead of 2.4e-3 in the interpreter test
   where D x dominates y), and no pass reads y and z again. D x and z sigmoid(z) need no product, so they are formed
   while the chunk's two output wgmmas run, and sigmoid takes no IEEE divide (1 / u as rsqrt(u)^2, u = 1 + exp(-z)
-  >= 1): run serially after the wgmmas, with an IEEE divide, this epilogue had added 0.15 ms to the kernel's 0.23 ms
-  at (8192, 128) on an H100 (bench/README.md, "SSD's gated epilogue"). Exps are ex2.approx (`approx_math`; one MUFU
-  op and a multiply, as the Triton kernels' exp2). Precision as mamba_ssm's and FLA's chunk scans: the output
-  products take the state and P in 16 bits with fp32 accumulation.
+  >= 1): serial and with a divide, this epilogue cost several times the extra read of z (bench/README.md, "SSD's
+  gated epilogue"). Exps are ex2.approx (`approx_math`; one MUFU op and a multiply, as the Triton kernels' exp2).
+  Precision as mamba_ssm's and FLA's chunk scans: the output products take the state and P in 16 bits with fp32
+  accumulation.
 Ring slots are refilled once both consumers have released them (`in_free`, two arrivals), and so are z's tiles
 (the output warpgroup reads chunk i's z before it releases chunk i; `z_bar` says a z tile landed); published S slots
 are reused once the output warpgroup has read them (`s_free`). All warpgroups meet at a final barrier (a warpgroup
