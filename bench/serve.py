@@ -12,7 +12,11 @@ Method. A closed loop at each --concurrency C: C requests are submitted at once 
 ends (finished, failed or cancelled), so C are always in flight; the engine admits up to C of them at a time
 (max_num_seqs = C). Every mode runs the same prompts in the same order on a fresh cache with the same token budget
 (--budget, chunked prefill) and the same shape buckets (powers of two of the real token count, so under 2x; decode-only
-steps unpadded); compiles are timed apart and kept off the engine clock, which every time below is read from.
+steps unpadded); compiles are timed apart and kept off the engine clock, which every time below is read from. Each
+mode runs --repeats times (3 on the GPU), the modes' order rotated from one round to the next, and the run of median
+duration is the one reported, every run's duration beside it: one pass of the modes in a fixed order measured the same
+engine 4% apart between its first and last mode (H100, concurrency 1).
+- Steps: how many held a prefill row and how many only decode rows, and the engine time of each kind.
 - TTFT: arrival to first token (queueing included); TPOT: (last token - first token) / (OSL - 1); mean, p50, p99.
 - input tok/s: prompt tokens of all requests / duration (first arrival to last finish), as `vllm bench serve`
   counts them; computed tok/s: prompt tokens the prefill steps computed / duration.
@@ -160,7 +164,9 @@ def serve(runner, prompts: list[Prompt], *, mode: str, concurrency: int, osl: in
         tail_steps=len(tails), tail_steps_s=sum(s.seconds for s in tails),
         mean_tail_step_ms=1e3 * float(np.mean([s.seconds for s in tails])) if tails else None,
         tail_wait_per_request_ms=1e3 * sum(waited_tail.values()) / len(results),
-        step_s=sum(s.seconds for s in engine.steps), steps=len(engine.steps))
+        step_s=sum(s.seconds for s in engine.steps), steps=len(engine.steps),
+        prefill_step_s=sum(s.seconds for s in engine.steps if s.num_prefill_rows),
+        decode_step_s=sum(s.seconds for s in engine.steps if not s.num_prefill_rows))
     return metrics, results
 
 
@@ -229,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="paged attention (default pallas_triton on a GPU, xla elsewhere)")
     parser.add_argument("--name", default=None, help="result file name (default serve_<workload>[_tiny])")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of each mode per concurrency, the modes' order rotated each time; the run of "
+                             "median duration is reported (default 3; tiny 1)")
     return parser
 
 
@@ -240,13 +249,14 @@ def run(args: argparse.Namespace) -> Path:
     osl = args.osl or (4 if tiny else 32)
     num_prompts = args.num_prompts or (8 if tiny else 48)
     budget = args.budget or (256 if tiny else 8192)
+    repeats = args.repeats or (1 if tiny else 3)
     concurrencies = [int(c) for c in (args.concurrency or ("1,3" if tiny else "4")).split(",")]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in modes:
         if mode not in ENGINE_MODES:
             raise ValueError(f"--modes: {mode!r} is not one of {ENGINE_MODES}")
     for name, value in (("--block", block), ("--isl", isl), ("--osl", osl), ("--num-prompts", num_prompts),
-                        ("--budget", budget), *(("--concurrency", c) for c in concurrencies)):
+                        ("--budget", budget), ("--repeats", repeats), *(("--concurrency", c) for c in concurrencies)):
         if value < 1:
             raise ValueError(f"{name}: must be positive, got {value}")
     if budget < block:
@@ -291,16 +301,25 @@ def run(args: argparse.Namespace) -> Path:
                   layer_types=list(config.layer_types), attention=attention, attention_note=attention_note,
                   backend=jax.default_backend(), pools=dict(num_kv_pages=pages, num_state_slots=slots), runs=[])
     for concurrency in concurrencies:
-        firsts = {}
+        firsts, runs = {}, {mode: [] for mode in modes}
+        # the same modes back to back in another order each time: a drift of the machine over the run (clocks,
+        # temperature, allocator state) lands on every mode, not on whichever runs last
+        for repeat in range(repeats):
+            for mode in modes[repeat % len(modes):] + modes[:repeat % len(modes)]:
+                print(f"[{time.perf_counter() - began:6.1f} s] concurrency {concurrency}, {mode}, run {repeat + 1}",
+                      flush=True)
+                metrics, results = serve(runner, prompts, mode=mode, concurrency=concurrency, osl=osl,
+                                         budget=budget, pages=pages, slots=slots)
+                metrics["ttft_ms"] = [1e3 * r.ttft_s for r in results]
+                runs[mode].append((metrics, results))
+                print(f"    mean TTFT {metrics['mean_ttft_ms']:.1f} ms, {metrics['input_tok_s']:.0f} input tok/s, "
+                      f"hit rate {metrics['hit_rate']:.1%}, {metrics['steps']} steps", flush=True)
         for mode in modes:
-            print(f"[{time.perf_counter() - began:6.1f} s] concurrency {concurrency}, {mode}", flush=True)
-            metrics, results = serve(runner, prompts, mode=mode, concurrency=concurrency, osl=osl, budget=budget,
-                                     pages=pages, slots=slots)
+            ordered = sorted(runs[mode], key=lambda run: run[0]["duration_s"])
+            metrics, results = ordered[(len(ordered) - 1) // 2]
+            metrics["durations_s"] = [run[0]["duration_s"] for run in runs[mode]]
             firsts[mode] = [r.first_logits for r in results]
-            metrics["ttft_ms"] = [1e3 * r.ttft_s for r in results]
             report["runs"].append(metrics)
-            print(f"    mean TTFT {metrics['mean_ttft_ms']:.1f} ms, {metrics['input_tok_s']:.0f} input tok/s, hit "
-                  f"rate {metrics['hit_rate']:.1%}, {metrics['steps']} steps", flush=True)
         derive(report, concurrency, firsts)
         write(report, out)
     report["compiles"] = dict(shapes=len(runner.compiled), seconds=runner.compile_seconds,
@@ -329,6 +348,12 @@ def derive(report: dict, concurrency: int, firsts: dict):
             r["logits_rel_rms_worst"] = max(rel_rms(a, b) for a, b in zip(firsts[mode], reference))
 
 
+def _durations(run: dict) -> str:
+    """The reported run's duration, then every run's in the order they ran."""
+    every = run.get("durations_s", [run["duration_s"]])
+    return f"{run['duration_s']:.2f}" + (f" ({', '.join(f'{d:.2f}' for d in every)})" if len(every) > 1 else "")
+
+
 def _fmt(value, spec=".1f"):
     return "-" if value is None else format(value, spec)
 
@@ -339,17 +364,20 @@ def table(report: dict) -> str:
              f"block {report['block']}, budget {report['budget']}; {report['model']} model, {report['dtype']}, "
              f"{report['attention_note']}; {report['backend']}: {report['device']}", f"command: `{report['command']}`",
              "",
-             "| conc | mode | mean TTFT ms | p50 | p99 | TPOT ms | input tok/s | computed tok/s | hit rate | tokens "
-             "computed | steps (prefill/decode) | tail steps (ms total) | saving ms measured / predicted | "
-             "TTFT vs two_step | input tok/s vs two_step | TTFT vs no cache | logits rel RMS |",
-             "| --- " * 17 + "|"]
+             "| conc | mode | duration s (runs) | mean TTFT ms | p50 | p99 | TPOT ms | input tok/s | computed tok/s | "
+             "hit rate | tokens computed | prefill / decode steps (s) | tail steps (ms total) | "
+             "saving ms measured / predicted | TTFT vs two_step | input tok/s vs two_step | TTFT vs no cache | "
+             "logits rel RMS |",
+             "| --- " * 18 + "|"]
     for r in report["runs"]:
         pct = lambda v: "-" if v is None else f"{100 * v:+.1f}%"  # noqa: E731
         lines.append(
-            f"| {r['concurrency']} | {r['mode']} | {_fmt(r['mean_ttft_ms'])} | {_fmt(r['p50_ttft_ms'])} | "
-            f"{_fmt(r['p99_ttft_ms'])} | {_fmt(r['mean_tpot_ms'], '.2f')} | {_fmt(r['input_tok_s'], '.0f')} | "
+            f"| {r['concurrency']} | {r['mode']} | {_durations(r)} | {_fmt(r['mean_ttft_ms'])} | "
+            f"{_fmt(r['p50_ttft_ms'])} | {_fmt(r['p99_ttft_ms'])} | {_fmt(r['mean_tpot_ms'], '.2f')} | "
+            f"{_fmt(r['input_tok_s'], '.0f')} | "
             f"{_fmt(r['computed_tok_s'], '.0f')} | {100 * r['hit_rate']:.1f}% | {r['tokens_computed']} | "
-            f"{r['prefill_steps']}/{r['decode_steps']} | {r['tail_steps']} ({1e3 * r['tail_steps_s']:.1f}) | "
+            f"{r['prefill_steps']} ({r['prefill_step_s']:.2f}) / {r['decode_steps']} ({r['decode_step_s']:.2f}) | "
+            f"{r['tail_steps']} ({1e3 * r['tail_steps_s']:.1f}) | "
             f"{_fmt(r.get('measured_saving_ms'))} / {_fmt(r.get('predicted_saving_ms'))} | "
             f"{pct(r.get('ttft_vs_two_step'))} | {pct(r.get('input_tok_s_vs_two_step'))} | "
             f"{pct(r.get('ttft_vs_no_prefix_cache'))} | {_fmt(r.get('logits_rel_rms_worst'), '.1e')} |")

@@ -374,7 +374,8 @@ class Engine:
             req = row.req
             qe = req.num_computed + row.count
             if self.caching:
-                extend_block_hashes(req.hashes, req.tokens[:qe], block_size=block)
+                if qe // block > len(req.hashes):  # a block filled: skips copying the tokens on most steps
+                    extend_block_hashes(req.hashes, req.tokens[:qe], block_size=block)
                 row.slots = [cache.reserve_slot(req.hashes[c]) for c in row.columns]
                 row.slots.append(cache.reserve_slot(req.hashes[qe // block - 1] if qe % block == 0 else None))
             else:

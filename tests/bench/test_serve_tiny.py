@@ -15,7 +15,8 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OUT", str(out))
-        assert serve.main(["--tiny", "--name", "serve_test", "--num-prompts", "6", "--concurrency", "1,3"]) == 0
+        assert serve.main(["--tiny", "--name", "serve_test", "--num-prompts", "6", "--concurrency", "1,3",
+                                 "--repeats", "2"]) == 0
     assert (out / "serve_test.md").read_text().count("| 3 |") == len(MODES)
     return json.loads((out / "serve_test.json").read_text())
 
@@ -28,6 +29,9 @@ def test_every_mode_and_concurrency_reports_its_metrics(report):
         assert 0 < r["p50_ttft_ms"] <= r["p99_ttft_ms"] and r["mean_tpot_ms"] > 0 and r["input_tok_s"] > 0
         assert r["tokens_computed"] == 6 * 200  # random prompts: nothing to hit
         assert r["logits_rel_rms_worst"] <= 1e-5
+        # two runs of each mode: the one reported is the shorter (the lower median), its steps split by kind
+        assert len(r["durations_s"]) == 2 and r["duration_s"] == min(r["durations_s"])
+        assert r["prefill_step_s"] > 0 and r["prefill_step_s"] + r["decode_step_s"] == pytest.approx(r["step_s"])
     for c in (1, 3):
         two, one = runs[(c, "two_step")], runs[(c, "one_checkpoint")]
         # ISL 200 at block 32: every prompt crosses its last boundary (192) and two_step runs its 8-token tail apart
