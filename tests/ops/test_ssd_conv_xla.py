@@ -12,6 +12,7 @@ from jaxckpt.ops.conv1d import xla as conv_xla
 from jaxckpt.ops.ssd import reference as ssd_reference
 from jaxckpt.ops.ssd import xla as ssd_xla
 from jaxckpt.plan.conventions import PAD_CHECKPOINT_OFFSET, validate_checkpoints
+from tests.numerics import rel_rms
 
 H, P, N = 4, 8, 16
 CONV_DIM = 8
@@ -39,16 +40,9 @@ def _rows(rng, lengths, *, pad_tokens=3, pad_checkpoints=2):
     return cu, ccu, offsets, int(cu[-1]) + pad_tokens
 
 
-def _rel_rms(actual, expected):
-    actual = np.asarray(actual, np.float64)
-    assert actual.shape == expected.shape
-    scale = np.sqrt(np.mean(expected ** 2)) if expected.size else 0.0
-    return np.sqrt(np.mean((actual - expected) ** 2)) / scale if scale else np.abs(actual).max(initial=0.0)
-
-
 def _assert_close(outputs, expected, tol):
     for name, actual, want in zip(("y", "final_state", "checkpoint_states"), outputs, expected):
-        err = _rel_rms(actual, want)
+        err = rel_rms(actual, want)
         assert err <= tol, f"{name}: rel-RMS {err:.3g} > {tol}"
 
 
@@ -114,7 +108,7 @@ def test_ssd_in_chunk_is_bitwise_blind_to_checkpoints_and_agrees_with_forced_bre
     np.testing.assert_array_equal(np.asarray(in_chunk[1]), np.asarray(plain[1]))
     assert plain[2].shape == (0, H, P, N)
     for a, b in zip(in_chunk, forced):
-        assert _rel_rms(a, np.asarray(b, np.float64)) <= 1e-5
+        assert rel_rms(a, np.asarray(b, np.float64)) <= 1e-5
 
 
 @pytest.mark.parametrize("method", ["in_chunk", "forced_break"])
@@ -166,7 +160,7 @@ def test_ssd_bfloat16_inputs():
     expected = ssd_reference.ssd(*inputs.values(), **kwargs)
     # y: bf16 operands with fp32 accumulation (the bf16 class); the states add x dt B^T through bf16x3 products and
     # decay in fp32, so they stay close to fp32 accuracy
-    assert _rel_rms(outputs[0], expected[0]) <= 6e-3
+    assert rel_rms(outputs[0], expected[0]) <= 6e-3
     _assert_close(outputs[1:], expected[1:], 1e-5)
 
 
@@ -222,7 +216,7 @@ def test_ssd_gradient_matches_token_scan(method):
         want = jax.jit(jax.grad(token, argnums))(*args)
     for name, g, w in zip(("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial"), got, want):
         assert g.dtype == jnp.float64
-        assert _rel_rms(g, np.asarray(w)) <= 1e-10, name
+        assert rel_rms(g, np.asarray(w)) <= 1e-10, name
 
 
 @pytest.mark.parametrize("width", [2, 3, 4])
@@ -240,7 +234,7 @@ def test_conv_matches_reference_with_exact_states(width):
         expected = conv_reference.causal_conv1d(x, weight, bias, **kwargs)
         outputs = causal_conv1d(x, weight, bias, **kwargs)
         assert all(o.dtype == jnp.float32 for o in outputs)
-        assert _rel_rms(outputs[0], expected[0]) <= 1e-5
+        assert rel_rms(outputs[0], expected[0]) <= 1e-5
         for actual, want in zip(outputs[1:], expected[1:]):
             np.testing.assert_array_equal(np.asarray(actual, np.float64), want)
 
@@ -265,7 +259,7 @@ def test_conv_jit_with_traced_metadata_compiles_once_and_bfloat16_states_are_cop
         expected = conv_reference.causal_conv1d(x, weight, initial_state=initial, cu_seqlens=cu, checkpoint_cu=ccu,
                                                 checkpoint_offsets=offsets)
         assert all(o.dtype == jnp.bfloat16 for o in outputs)
-        assert _rel_rms(outputs[0], expected[0]) <= 4e-3
+        assert rel_rms(outputs[0], expected[0]) <= 4e-3
         for actual, want in zip(outputs[1:], expected[1:]):
             np.testing.assert_array_equal(np.asarray(actual, np.float64), want)
     assert len(traces) == 1
@@ -305,7 +299,7 @@ def test_conv_gradient_matches_row_slicing():
         got = jax.jit(jax.grad(vectorised, (0, 1, 2, 3)))(*args)
         want = jax.jit(jax.grad(lambda *a: loss(_conv_rows(*a, cu, ccu, offsets)), (0, 1, 2, 3)))(*args)
     for name, g, w in zip(("x", "weight", "bias", "initial_state"), got, want):
-        assert _rel_rms(g, np.asarray(w)) <= 1e-12, name
+        assert rel_rms(g, np.asarray(w)) <= 1e-12, name
 
 
 def test_static_validation_names_the_argument():
