@@ -351,7 +351,7 @@ def derive(report: dict, concurrency: int, firsts: dict):
 
 def _durations(run: dict) -> str:
     """The reported run's duration, then every run's in the order they ran."""
-    every = run.get("durations_s", [run["duration_s"]])
+    every = run["durations_s"]
     return f"{run['duration_s']:.2f}" + (f" ({', '.join(f'{d:.2f}' for d in every)})" if len(every) > 1 else "")
 
 

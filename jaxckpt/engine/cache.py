@@ -27,9 +27,15 @@ from jaxckpt.plan.conventions import check_positive
 NULL_PAGE = 0
 
 
-def extend_block_hashes(hashes: list[bytes], tokens: Sequence[int], *, block_size: int) -> list[bytes]:
-    """Appends, in place, the chained hash of every full block of `tokens` that `hashes` does not cover yet."""
-    for j in range(len(hashes), len(tokens) // block_size):
+def extend_block_hashes(hashes: list[bytes], tokens: Sequence[int], *, block_size: int,
+                        num_tokens: int | None = None) -> list[bytes]:
+    """Appends, in place, the chained hash of every full block of `tokens[:num_tokens]` (all of `tokens` for None)
+    that `hashes` does not cover yet; `num_tokens` spares a caller the copy of a prefix on every engine step."""
+    if num_tokens is None:
+        num_tokens = len(tokens)
+    elif not 0 <= num_tokens <= len(tokens):
+        raise ValueError(f"num_tokens: must be in [0, {len(tokens)}] (the tokens given), got {num_tokens}")
+    for j in range(len(hashes), num_tokens // block_size):
         block = np.asarray(tokens[j * block_size:(j + 1) * block_size], np.int64).tobytes()
         parent = hashes[j - 1] if j else b""
         hashes.append(hashlib.blake2b(parent + block, digest_size=16).digest())

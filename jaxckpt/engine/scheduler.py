@@ -265,7 +265,7 @@ class Engine:
                        arrival_s=self.clock())
         self._next_id += 1
         if self.caching:
-            extend_block_hashes(req.hashes, tokens[:len(tokens) - 1], block_size=self.block_size)
+            extend_block_hashes(req.hashes, tokens, block_size=self.block_size, num_tokens=len(tokens) - 1)
         self.waiting.append(req)
         return req.request_id
 
@@ -374,8 +374,7 @@ class Engine:
             req = row.req
             qe = req.num_computed + row.count
             if self.caching:
-                if qe // block > len(req.hashes):  # a block filled: skips copying the tokens on most steps
-                    extend_block_hashes(req.hashes, req.tokens[:qe], block_size=block)
+                extend_block_hashes(req.hashes, req.tokens, block_size=block, num_tokens=qe)
                 row.slots = [cache.reserve_slot(req.hashes[c]) for c in row.columns]
                 row.slots.append(cache.reserve_slot(req.hashes[qe // block - 1] if qe % block == 0 else None))
             else:

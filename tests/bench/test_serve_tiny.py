@@ -16,7 +16,7 @@ def report(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OUT", str(out))
         assert serve.main(["--tiny", "--name", "serve_test", "--num-prompts", "6", "--concurrency", "1,3",
-                                 "--repeats", "2"]) == 0
+                           "--repeats", "2"]) == 0
     assert (out / "serve_test.md").read_text().count("| 3 |") == len(MODES)
     return json.loads((out / "serve_test.json").read_text())
 

@@ -36,6 +36,11 @@ def test_block_hashes_are_chained():
     # extending continues the chain where it stopped
     assert extend_block_hashes(ha[:2], a, block_size=B) == ha
     assert extend_block_hashes([], a[:5 * B - 1], block_size=B) == ha[:4]
+    # num_tokens hashes the prefix without a copy of it, and only within the tokens given
+    assert extend_block_hashes([], a, block_size=B, num_tokens=5 * B - 1) == ha[:4]
+    assert extend_block_hashes(ha[:1], a, block_size=B, num_tokens=3 * B) == ha[:3]
+    with pytest.raises(ValueError, match="num_tokens"):
+        extend_block_hashes([], a, block_size=B, num_tokens=5 * B + 1)
 
 
 def test_reserved_state_is_found_only_after_commit():
